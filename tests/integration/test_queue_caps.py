@@ -612,3 +612,60 @@ async def test_idle_connections_past_what_the_open_files_limit_leaves_are_refuse
             client.close()
     finally:
         b.kill()
+
+
+async def _flood(address: str, n: int = 120) -> list:
+    """``n`` connections from 127.0.0.2 to ``address`` that never send a byte (those past a cap are closed by it)."""
+    idle = []
+    for _ in range(n):
+        try:
+            idle.append(await RawClient.open(address, "127.0.0.2"))
+        except OSError:
+            break
+    return idle
+
+
+@bounded(90)
+async def test_idle_connections_flooding_the_name_server_port_do_not_lock_producers_out_of_the_broker_port(tmp_path):
+    """The listeners share what the open-files limit leaves for connections: 120 idle connections from one address
+    to the name-server port (unauthenticated, 2,000 allowed per address) took all 32 at ulimit -n 256, and a
+    producer on the broker port was closed on accept: a denial of service the shared cap made. Each listener keeps
+    a share of its own that the others' connections cannot take."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    idle = []
+    try:
+        idle = await _flood(b.namesrv)
+        assert _refusals(b, "open-files") > 0
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "Flooded", 1)).code == C.SUCCESS
+            assert (await _send_to_queue(client, "Flooded", 0)).code == C.SUCCESS
+        finally:
+            client.close()
+    finally:
+        for c in idle:
+            c.close()
+        b.kill()
+
+
+@bounded(120)
+async def test_with_the_connection_cap_full_every_queue_max_queues_allows_opens_its_files(tmp_path):
+    """At ulimit -n 256 max_queues is 96; with the listeners' connections at their cap, a send to each of 96 queues
+    (12 topics of 8) still finds the descriptors its files need."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    idle = []
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            idle = await _flood(b.broker, 300)
+            assert _refusals(b, "open-files") > 0
+            for t in range(12):
+                assert (await _update_topic(client, f"Full{t}", 8)).code == C.SUCCESS
+            answers = [await _send_to_queue(client, f"Full{t}", q) for t in range(12) for q in range(8)]
+            assert [r.code for r in answers] == [C.SUCCESS] * 96, {(r.code, r.remark) for r in answers}
+        finally:
+            client.close()
+    finally:
+        for c in idle:
+            c.close()
+        b.kill()
