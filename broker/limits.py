@@ -331,6 +331,7 @@ class ConnectionGate:
         # (share_descriptors); None: no cap but each gate's own
         self._together: list["ConnectionGate"] = [self]
         self.max_together: int | None = None
+        self.reserved = 0                   # of max_together, this gate's alone: the others' connections never take it
         self._refused = 0                   # since the last log line
         self._logged_at = -_GATE_LOG_INTERVAL_S
 
@@ -345,7 +346,7 @@ class ConnectionGate:
         host = peer_host(conn)
         if len(self.open) >= self.max_total:
             why = "max_connections"
-        elif self.max_together is not None and sum(len(g.open) for g in self._together) >= self.max_together:
+        elif self.max_together is not None and not self._room_together():
             why = "open-files"
         elif self._by_host.get(host, 0) >= self.max_per_host:
             why = "max_connections_per_host"
@@ -368,10 +369,22 @@ class ConnectionGate:
         """Hold ``gates`` to ``max_together`` connections between them: what the open-files limit leaves beside
         the store's files. Past it a connection is refused on accept (reason "open-files"), not taken from the
         store: accepted until accept() itself failed, idle connections held every descriptor, and sends to a
-        queue whose file was not open yet failed, checkpoints and offsets went unwritten, until they left."""
+        queue whose file was not open yet failed, checkpoints and offsets went unwritten, until they left.
+        Each gate keeps a share of its own (a quarter of the total between two, a sixth between three) and takes
+        the rest from a pool: the name-server port is unauthenticated, and a flood of idle connections to it (2,000
+        allowed per address) took the whole total and locked producers out of the broker port and the slave out of
+        replication."""
+        reserved = max(1, max_together // (2 * len(gates)))
         for gate in gates:
             gate._together = gates
             gate.max_together = max_together
+            gate.reserved = reserved
+
+    def _room_together(self) -> bool:
+        if len(self.open) < self.reserved:
+            return True
+        pooled = sum(max(0, len(g.open) - g.reserved) for g in self._together)
+        return pooled < self.max_together - sum(g.reserved for g in self._together)
 
     def close_quiet(self, ticks: int) -> int:
         """Close the connections whose peer sent nothing for ``ticks`` calls of this (while its reading is paused or

@@ -243,3 +243,15 @@ def test_a_peer_that_reads_none_of_its_responses_is_closed_after_the_expiry_and_
     slow.unread -= 4096
     assert gate.close_quiet(3) == 1
     assert frozen.aborted and not slow.aborted
+
+
+def test_a_flood_on_one_listener_sharing_descriptors_leaves_the_others_their_own_share():
+    """The name-server port is unauthenticated: idle connections to it took the whole shared total and the broker
+    and HA listeners refused everyone. Each keeps max_together // (2 * gates) that the others cannot take."""
+    log = logging.getLogger("test")
+    broker, namesrv, ha = (ConnectionGate(100, 100, log, name) for name in ("broker", "namesrv", "ha"))
+    ConnectionGate.share_descriptors([broker, namesrv, ha], 30)
+    flood = [namesrv.admit(_Conn(i)) for i in range(40)]
+    assert flood.count(None) == 30 - 2 * 5 and flood[-1] == "open-files"
+    assert [broker.admit(_Conn(100 + i)) for i in range(6)] == [None] * 5 + ["open-files"]
+    assert [ha.admit(_Conn(200 + i)) for i in range(6)] == [None] * 5 + ["open-files"]
