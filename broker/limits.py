@@ -422,7 +422,10 @@ def _read_nothing(conn) -> bool:
     reading paused for it, a frozen client (SIGSTOP, a hung process or VM) was never quiet: kept for good with
     what it left unread (6 MB of 3,000 answers here, up to max_write_buffer) and its address's room, nothing
     said. RocketMQ closes a channel that neither reads nor completes a write for 120 s."""
+    if not conn.writing_paused:     # it keeps up: no ioctl (unread_bytes, ~10 us) for every parked pull's connection
+        conn.quiet_unsent = 0
+        return False
     unread = conn.unread_bytes()
-    stuck = conn.writing_paused and unread >= conn.quiet_unsent
+    stuck = unread >= conn.quiet_unsent
     conn.quiet_unsent = unread
     return stuck
