@@ -671,3 +671,17 @@ async def test_with_the_connection_cap_full_every_queue_max_queues_allows_opens_
         for c in idle:
             c.close()
         b.kill()
+
+
+@bounded(60)
+async def test_a_cap_that_binds_only_once_the_ha_listener_joins_is_said_at_start(tmp_path):
+    """At ulimit -n 256 the listeners hold 32 connections together. With --max-connections 12 the broker and
+    name-server listeners (24) stay under it, so nothing was said; the HA listener's joining (36) put the cap on
+    all three without a word, and their connections were refused "open-files" past 32 with no line at start to
+    say why."""
+    b = BrokerProcess(tmp_path / "store", "--max-connections", "12", "--broker-role", "ASYNC_MASTER",
+                      "--ha-port", "0", preexec_fn=_open_files(256)).start()
+    try:
+        assert "32 connections at once, all listeners together" in b.log(), b.log()[-3000:]
+    finally:
+        b.kill()
