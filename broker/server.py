@@ -109,14 +109,16 @@ class BrokerServer:
         self.fatal = why
         self.stopping.set()
 
-    def _share_descriptors(self, gates: list, quiet: bool = False) -> None:
+    def _share_descriptors(self, gates: list) -> None:
         """Hold the listeners' connections together to what the open-files limit leaves beside max_queues'
-        files (connections_limits_hold), said once at start when that is fewer than max_connections."""
+        files (connections_limits_hold), said once at start when that is fewer than max_connections (the HA
+        listener joining may be what puts it on)."""
         held = connections_limits_hold(resource.getrlimit(resource.RLIMIT_NOFILE)[0], self.config.max_queues)
         if held is None or held >= self.config.max_connections * len(gates):
             return
+        said = gates[0].max_together is not None
         ConnectionGate.share_descriptors(gates, held)
-        if not quiet:
+        if not said:
             log.info("%d connections at once, all listeners together: what the open-files limit leaves beside "
                      "max_queues=%d (more are refused on accept, counted in txmq_requests_refused_total"
                      "{reason=\"open-files\"})", held, self.config.max_queues)
@@ -330,7 +332,7 @@ class BrokerServer:
             return ""
         # Held to the client listeners' caps: each connection is a link the master streams its whole log to.
         gate = ConnectionGate(c.max_connections, c.max_connections_per_host, log, "ha listener")
-        self._share_descriptors([*self.connections.values(), gate], quiet=True)
+        self._share_descriptors([*self.connections.values(), gate])
 
         async def serve(reader, writer):
             peer = _HAPeer(writer.get_extra_info("peername") or ("?", 0))
