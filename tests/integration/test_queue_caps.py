@@ -659,6 +659,7 @@ async def test_with_the_connection_cap_full_every_queue_max_queues_allows_opens_
         try:
             idle = await _flood(b.broker, 300) + await _flood(b.namesrv, 300)
             assert _refusals(b, "open-files") > 0
+            idle += await _flood(b.metrics, 16)
             topics = []
             while (await _update_topic(client, f"Full{len(topics)}", 1)).code == C.SUCCESS:    # to max_queues
                 topics.append(f"Full{len(topics)}")
