@@ -44,7 +44,7 @@ class BrokerConfig:
     truncate_corrupt_tail: bool = setting(False, "Start even when the log is corrupt mid-way or ends short of what its checkpoint says was flushed, truncating from the damage (the data after it is lost). Off: refuse to start and say where.")
     # ---- limits
     max_frame_size: int = setting(16 * 1024 * 1024, "Largest frame accepted (RocketMQ's 16 MiB); larger closes the connection.")
-    max_connections: int = setting(10000, "Connections accepted at once per listener (broker, name server, HA); more are closed on accept.")
+    max_connections: int = setting(10000, "Connections accepted at once per listener (broker, name server, HA); more are closed on accept. Held lower, all listeners together, when the open-files limit leaves fewer beside --max-queues' files (a lower --max-queues or a higher ulimit -n leaves more), each listener keeping a share of its own; said at start (docs/operations.md).")
     max_connections_per_host: int = setting(2000, "Connections accepted at once per listener from one remote address; more are closed on accept (counted in txmq_requests_refused_total{reason=\"max_connections_per_host\"}, logged at most every 10 s). Without it one client opening idle connections up to max_connections locked every other client out.")
     max_in_flight: int = setting(256, "Requests one connection may have in progress; past it the broker stops reading that connection. Pulls parked by long polling do not count, up to four times this many.")
     max_write_buffer: int = setting(64 * 1024 * 1024, "Unread response bytes after which a connection that does not read is closed.")
