@@ -327,6 +327,11 @@ class ConnectionGate:
         self.monotonic = monotonic
         self.open: set = set()
         self._by_host: dict[str, int] = {}
+        # the gates whose connections share the process's descriptors, and how many they may hold together
+        # (share_descriptors); None: no cap but each gate's own
+        self._together: list["ConnectionGate"] = [self]
+        self.max_together: int | None = None
+        self.reserved = 0                   # of max_together, this gate's alone: the others' connections never take it
         self._refused = 0                   # since the last log line
         self._logged_at = -_GATE_LOG_INTERVAL_S
 
@@ -341,6 +346,8 @@ class ConnectionGate:
         host = peer_host(conn)
         if len(self.open) >= self.max_total:
             why = "max_connections"
+        elif self.max_together is not None and not self._room_together():
+            why = "open-files"
         elif self._by_host.get(host, 0) >= self.max_per_host:
             why = "max_connections_per_host"
         else:
@@ -357,16 +364,41 @@ class ConnectionGate:
             self._logged_at, self._refused = now, 0
         return why
 
+    @staticmethod
+    def share_descriptors(gates: list["ConnectionGate"], max_together: int) -> None:
+        """Hold ``gates`` to ``max_together`` connections between them: what the open-files limit leaves beside
+        the store's files. Past it a connection is refused on accept (reason "open-files"), not taken from the
+        store: accepted until accept() itself failed, idle connections held every descriptor, and sends to a
+        queue whose file was not open yet failed, checkpoints and offsets went unwritten, until they left.
+        Each gate keeps a share of its own (a quarter of the total between two, a sixth between three) and takes
+        the rest from a pool: the name-server port is unauthenticated, and a flood of idle connections to it (2,000
+        allowed per address) took the whole total and locked producers out of the broker port and the slave out of
+        replication."""
+        reserved = max(1, max_together // (2 * len(gates)))
+        for gate in gates:
+            gate._together = gates
+            gate.max_together = max_together
+            gate.reserved = reserved
+
+    def _room_together(self) -> bool:
+        if len(self.open) < self.reserved:
+            return True
+        pooled = sum(max(0, len(g.open) - g.reserved) for g in self._together)
+        return pooled < self.max_together - sum(g.reserved for g in self._together)
+
     def close_quiet(self, ticks: int) -> int:
         """Close the connections whose peer sent nothing for ``ticks`` calls of this (while its reading is paused or
-        a request of its is being handled, a connection is not quiet); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
+        a request of its is being handled, a connection is not quiet, unless its peer read nothing since the last
+        call); how many. A peer gone without a FIN (its host down, a NAT or firewall that dropped the flow) left
         its connection open for good, holding its address's room: RocketMQ's server closes a channel idle for
         120 s, and a stock client heartbeats every 30 s on each connection."""
         closed = 0
         for conn in list(self.open):
-            if conn.reading_paused or conn.handling:
+            if (conn.reading_paused or conn.handling) and not _read_nothing(conn):
                 conn.quiet_ticks = 0
             elif conn.quiet_ticks >= ticks:
+                if conn.writing_paused and conn.budget is not None:
+                    conn.budget.closed_for("channel_expire_ms")
                 conn.abort()
                 closed += 1
             else:
@@ -383,3 +415,17 @@ class ConnectionGate:
 
 
 _GATE_LOG_INTERVAL_S = 10
+
+
+def _read_nothing(conn) -> bool:
+    """The peer of ``conn`` stopped reading and took none of its responses since the last close_quiet. Its
+    reading paused for it, a frozen client (SIGSTOP, a hung process or VM) was never quiet: kept for good with
+    what it left unread (6 MB of 3,000 answers here, up to max_write_buffer) and its address's room, nothing
+    said. RocketMQ closes a channel that neither reads nor completes a write for 120 s."""
+    if not conn.writing_paused:     # it keeps up: no ioctl (unread_bytes, ~10 us) for every parked pull's connection
+        conn.quiet_unsent = 0
+        return False
+    unread = conn.unread_bytes()
+    stuck = unread >= conn.quiet_unsent
+    conn.quiet_unsent = unread
+    return stuck

@@ -172,7 +172,7 @@ class BrokerMetrics:
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
                                "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-limit, offset-host-limit, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
-                               "max_connections, max_connections_per_host, max_total_read_buffer, group-limit, subscription-limit, heartbeat-size, parked-pull-limit, "
+                               "max_connections, max_connections_per_host, open-files, max_total_read_buffer, group-limit, subscription-limit, heartbeat-size, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half, end-no-half, end-bad-state, transaction-type-without-half, "
                                "send-back-unconsumable, batch-messages, header-size).",
                                ["reason"], registry=r)
@@ -184,7 +184,8 @@ class BrokerMetrics:
             "start keep the saver at most a quarter busy.", registry=r)
         self.unread_closes = Counter("txmq_unread_closes", "Connections closed for holding unread responses, by "
                                      "limit (max_write_buffer: this one's; max_total_write_buffer: all "
-                                     "connections' together, the largest holders closed first).", ["reason"],
+                                     "connections' together, the largest holders closed first; channel_expire_ms: "
+                                     "its peer read none of them for that long).", ["reason"],
                                      registry=r)
         self.queue_lock_saves_failed = Counter("txmq_queue_lock_saves_failed", "Saves of the queue lock file "
                                                "(config/queueLocks.json) the disk refused: retried every second; a "

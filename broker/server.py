@@ -109,6 +109,20 @@ class BrokerServer:
         self.fatal = why
         self.stopping.set()
 
+    def _share_descriptors(self, gates: list) -> None:
+        """Hold the listeners' connections together to what the open-files limit leaves beside max_queues'
+        files (connections_limits_hold), said once at start when that is fewer than max_connections (the HA
+        listener joining may be what puts it on)."""
+        held = connections_limits_hold(resource.getrlimit(resource.RLIMIT_NOFILE)[0], self.config.max_queues)
+        if held is None or held >= self.config.max_connections * len(gates):
+            return
+        said = gates[0].max_together is not None
+        ConnectionGate.share_descriptors(gates, held)
+        if not said:
+            log.info("%d connections at once, all listeners together: what the open-files limit leaves beside "
+                     "max_queues=%d (more are refused on accept, counted in txmq_requests_refused_total"
+                     "{reason=\"open-files\"})", held, self.config.max_queues)
+
     # ------------------------------------------------------------- start-up
     async def start(self) -> None:
         # max_queues from the limits as they are now (run raised the open-files one to its hard limit)
@@ -120,6 +134,7 @@ class BrokerServer:
         if derived:
             log.info("max_queues %d: what the open-files limit and vm.max_map_count hold", max_queues)
             self.config = dataclasses.replace(self.config, max_queues=max_queues)
+        self._share_descriptors(list(self.connections.values()))
         c = self.config
         loop = asyncio.get_running_loop()
         store_dir = os.path.abspath(c.store_dir)
@@ -317,6 +332,7 @@ class BrokerServer:
             return ""
         # Held to the client listeners' caps: each connection is a link the master streams its whole log to.
         gate = ConnectionGate(c.max_connections, c.max_connections_per_host, log, "ha listener")
+        self._share_descriptors([*self.connections.values(), gate])
 
         async def serve(reader, writer):
             peer = _HAPeer(writer.get_extra_info("peername") or ("?", 0))
@@ -774,7 +790,7 @@ class BrokerServer:
                 closed = conns.close_quiet(ticks)
                 if closed:
                     log.info("%s listener: closed %d connections whose peer sent nothing for %d ms "
-                             "(channel_expire_ms)", listener, closed, expire_ms)
+                             "(channel_expire_ms), or read none of its responses for as long", listener, closed, expire_ms)
             for group in self.ctx.clients.expire(expire_ms):
                 self.ctx.clients.notify_ids_changed(group)
             self.ctx.clients.expire_locks(self.config.queue_lock_max_live_ms)
@@ -1103,6 +1119,24 @@ def queues_limits_hold(open_files: int, max_map_count: int | None) -> int | None
     if max_map_count is not None:
         held.append(max_map_count - _headroom(max_map_count))
     return max(1, min(held)) if held else None
+
+
+# Descriptors kept for the rest of the broker (libraries, threads, segments, index files, files being written: 20
+# at rest) when connections are counted against the open-files limit; never fewer connections than _MIN_CONNECTIONS.
+_REST_FDS = 1024
+_MIN_CONNECTIONS = 16
+
+
+def connections_limits_hold(open_files: int, max_queues: int) -> int | None:
+    """How many connections, every listener together, the open-files limit holds beside ``max_queues`` consume
+    queues (two descriptors each) and the rest of the broker; None: no limit known. max_queues derived from the
+    limit leaves its headroom (a quarter of a small limit): half of it is the connections'. Without it a broker at
+    ulimit -n 256 took 236 idle connections, every descriptor, and refused 45 of 60 sends ("create mapped file
+    failed ... lower --max-queues=96", which was no cause) until they left."""
+    if open_files == resource.RLIM_INFINITY:
+        return None
+    rest = min(_REST_FDS, _headroom(open_files) // 2)
+    return max(_MIN_CONNECTIONS, open_files - 2 * max_queues - rest)
 
 
 # max_queues when the limits say nothing (non-Linux, unlimited): every topic (max_topics' default) of 1024 queues.

@@ -41,7 +41,14 @@ import logging
 import random
 import re
 import socket
+import struct
 from typing import Awaitable, Callable, Optional, Union
+
+try:                # Linux: bytes a socket's kernel send queue holds that its peer has not acknowledged
+    from fcntl import ioctl
+    from termios import TIOCOUTQ
+except ImportError:     # pragma: no cover - not Linux: only the transport's own buffer is seen
+    ioctl = TIOCOUTQ = None
 
 from .codes import FLAG_ONEWAY, FLAG_RESPONSE, ResponseCode, request_name
 from .command import RemotingCommand
@@ -103,6 +110,7 @@ class RemotingConnection(asyncio.Protocol):
         self.closed = asyncio.Event()
         self.attributes: dict = {}          # per-connection state owned by the handler side
         self.quiet_ticks = 0                # a server's housekeeping turns since the peer last sent a byte
+        self.quiet_unsent = 0               # unread_bytes() at the last such turn (has the peer taken any since?)
         self._decoder = FrameDecoder(max_frame_size)
         # opaque -> (future, deadline, request code, timeout); insertion order is the order requests left
         self._pending: dict[int, tuple[asyncio.Future, float, int, float]] = {}
@@ -455,6 +463,18 @@ class RemotingConnection(asyncio.Protocol):
         """Reply bytes queued here that the peer has not taken yet (0 once closed)."""
         t = self.transport
         return 0 if t is None or t.is_closing() else t.get_write_buffer_size()
+
+    def unread_bytes(self) -> int:
+        """What the peer has not read: unsent_bytes and the kernel's send queue (megabytes on loopback; a reader
+        taking a few KB a second drains only this for a long while, the transport's buffer not at all)."""
+        unsent = self.unsent_bytes
+        sock = None if self.transport is None else self.transport.get_extra_info("socket")
+        if sock is None or ioctl is None:
+            return unsent
+        try:
+            return unsent + struct.unpack("i", ioctl(sock.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):    # closed meanwhile
+            return unsent
 
     @property
     def reading_paused(self) -> bool:

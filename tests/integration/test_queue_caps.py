@@ -582,3 +582,107 @@ async def test_an_open_files_limit_too_small_for_one_more_topic_is_said_at_start
         assert "NO NEW TOPICS" not in b.log()
     finally:
         b.kill()
+
+
+@bounded(90)
+async def test_idle_connections_past_what_the_open_files_limit_leaves_are_refused_not_taken_from_the_store(
+        tmp_path):
+    """At ulimit -n 256 the broker accepted connections until accept() itself failed (236 idle ones held every
+    descriptor) and the store had none left: 45 of 60 sends to queues not yet opened were refused "create mapped
+    file failed ... lower --max-queues=96", which was no cause, and checkpoints went unwritten, until the idle
+    connections left. Now the listeners together hold what the limit leaves beside max_queues' files: more are
+    refused on accept (counted, reason "open-files"), and the store keeps its descriptors."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        idle = []
+        try:
+            assert (await _update_topic(client, "Idle", 8)).code == C.SUCCESS
+            for _ in range(300):                    # each never sends a byte
+                try:
+                    idle.append(await RawClient.open(b.broker, "127.0.0.2"))
+                except OSError:
+                    break
+            answers = [await _send_to_queue(client, "Idle", q) for q in range(8) for _ in range(4)]
+            assert [r.code for r in answers] == [C.SUCCESS] * 32, {(r.code, r.remark) for r in answers}
+            assert _refusals(b, "open-files") > 0
+        finally:
+            for c in idle:
+                c.close()
+            client.close()
+    finally:
+        b.kill()
+
+
+async def _flood(address: str, n: int = 120) -> list:
+    """``n`` connections from 127.0.0.2 to ``address`` that never send a byte (those past a cap are closed by it)."""
+    idle = []
+    for _ in range(n):
+        try:
+            idle.append(await RawClient.open(address, "127.0.0.2"))
+        except OSError:
+            break
+    return idle
+
+
+@bounded(90)
+async def test_idle_connections_flooding_the_name_server_port_do_not_lock_producers_out_of_the_broker_port(tmp_path):
+    """The listeners share what the open-files limit leaves for connections: 120 idle connections from one address
+    to the name-server port (unauthenticated, 2,000 allowed per address) took all 32 at ulimit -n 256, and a
+    producer on the broker port was closed on accept: a denial of service the shared cap made. Each listener keeps
+    a share of its own that the others' connections cannot take."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    idle = []
+    try:
+        idle = await _flood(b.namesrv)
+        assert _refusals(b, "open-files") > 0
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            assert (await _update_topic(client, "Flooded", 1)).code == C.SUCCESS
+            assert (await _send_to_queue(client, "Flooded", 0)).code == C.SUCCESS
+        finally:
+            client.close()
+    finally:
+        for c in idle:
+            c.close()
+        b.kill()
+
+
+@bounded(120)
+async def test_with_the_connection_cap_full_every_queue_max_queues_allows_opens_its_files(tmp_path):
+    """At ulimit -n 256 max_queues is 96; with the listeners' connections at their cap, a send to each queue the
+    broker lets be created, up to max_queues, still finds the descriptors its files need."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    idle = []
+    try:
+        client = await RawClient.open(b.broker, "127.0.0.1")
+        try:
+            idle = await _flood(b.broker, 300) + await _flood(b.namesrv, 300)
+            assert _refusals(b, "open-files") > 0
+            idle += await _flood(b.metrics, 16)
+            topics = []
+            while (await _update_topic(client, f"Full{len(topics)}", 1)).code == C.SUCCESS:    # to max_queues
+                topics.append(f"Full{len(topics)}")
+            assert len(topics) > 40
+            answers = [await _send_to_queue(client, topic, 0) for topic in topics]
+            assert [r.code for r in answers] == [C.SUCCESS] * len(topics), {(r.code, r.remark) for r in answers}
+        finally:
+            client.close()
+    finally:
+        for c in idle:
+            c.close()
+        b.kill()
+
+
+@bounded(60)
+async def test_a_cap_that_binds_only_once_the_ha_listener_joins_is_said_at_start(tmp_path):
+    """At ulimit -n 256 the listeners hold 32 connections together. With --max-connections 12 the broker and
+    name-server listeners (24) stay under it, so nothing was said; the HA listener's joining (36) put the cap on
+    all three without a word, and their connections were refused "open-files" past 32 with no line at start to
+    say why."""
+    b = BrokerProcess(tmp_path / "store", "--max-connections", "12", "--broker-role", "ASYNC_MASTER",
+                      "--ha-port", "0", preexec_fn=_open_files(256)).start()
+    try:
+        assert "32 connections at once, all listeners together" in b.log(), b.log()[-3000:]
+    finally:
+        b.kill()

@@ -50,6 +50,15 @@ def _metrics(addr: str) -> dict[tuple, float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+async def _catalogue(conn) -> None:
+    """A catalogue whose listing (GET_ALL_TOPIC_CONFIG) is ~25 KB: each 70-byte request asks for that much."""
+    for i in range(100):
+        reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": f"Catalogue_{i:03d}_" + "x" * 100, "readQueueNums": 4, "writeQueueNums": 4,
+            "perm": 6}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+
 def _flood(host: str, port: int, frame: bytes) -> socket.socket:
     """A socket that sends REQUESTS_EACH requests and never reads: as much as the kernel takes without waiting
     (a broker that stopped reading leaves the rest unsent)."""
@@ -72,12 +81,8 @@ async def test_unread_responses_of_many_clients_are_capped_broker_wide(broker_fa
     host, _, port = b.broker.rpartition(":")
     port = int(port)
     conn = await open_connection(host, port)
-    try:        # a catalogue whose listing is ~25 KB: each 70-byte request asks for that much
-        for i in range(100):
-            reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-                "topic": f"Catalogue_{i:03d}_" + "x" * 100, "readQueueNums": 4, "writeQueueNums": 4,
-                "perm": 6}), 5)
-            assert reply.code == ResponseCode.SUCCESS, reply.remark
+    try:
+        await _catalogue(conn)
         listing = await conn.request(RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG), 5)
         assert len(listing.body_bytes()) > 20_000
     finally:
@@ -119,11 +124,7 @@ async def test_a_client_that_stopped_reading_is_not_answered_further(broker):
     port = int(port)
     conn = await open_connection(host, port)
     try:
-        for i in range(100):
-            reply = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-                "topic": f"Catalogue_{i:03d}_" + "x" * 100, "readQueueNums": 4, "writeQueueNums": 4,
-                "perm": 6}), 5)
-            assert reply.code == ResponseCode.SUCCESS, reply.remark
+        await _catalogue(conn)
         frame = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG).encode()
         sock = await asyncio.to_thread(_flood, host, port, frame)
         try:
@@ -276,3 +277,51 @@ async def test_frames_received_in_part_are_capped_across_the_name_server(tmp_pat
             sender.close()
         ns.stop()
     assert ns.log().count("over the name server's limit (max_total_read_buffer=4194304)") == 1, ns.log()[-3000:]
+
+
+def _read_some(sock: socket.socket) -> int:
+    """What a slow reader takes in one go: at most 4 KiB (0 when nothing came)."""
+    try:
+        return len(sock.recv(4096))
+    except BlockingIOError:
+        return 0
+
+
+@bounded(60)
+async def test_a_client_that_reads_none_of_its_responses_is_closed_after_the_channel_expiry_and_a_slow_one_kept(
+        broker_factory):
+    """A peer that stopped reading (a frozen client: SIGSTOP, a hung process or VM) paused the broker's reading of
+    it, and a connection whose reading is paused was never quiet: it stayed open for good, 6 MB of answers unread
+    in the broker's memory (up to max_write_buffer) and its address's room held, still open 8 s past a 1 s
+    channel expiry, nothing said. RocketMQ closes a channel that neither reads nor completes a write for 120 s.
+    Now one whose peer read nothing for the expiry is closed (txmq_unread_closes_total{reason=
+    "channel_expire_ms"}); one that reads slowly is kept."""
+    b = broker_factory("--channel-expire-ms", "1000")
+    host, _, port = b.broker.rpartition(":")
+    port = int(port)
+    conn = await open_connection(host, port)
+    try:
+        await _catalogue(conn)
+    finally:
+        conn.close()
+    frame = RemotingCommand.request(RequestCode.GET_ALL_TOPIC_CONFIG).encode()
+    frozen, slow = [await asyncio.to_thread(_flood, host, port, frame) for _ in range(2)]
+    reason = ("txmq_unread_closes_total", (("reason", "channel_expire_ms"),))
+    try:
+        taken, seen = 0, {}
+        for _ in range(600):        # 30 s at most; the frozen one goes after the 1 s expiry and a few 0.25 s ticks
+            taken += _read_some(slow)
+            seen = await asyncio.to_thread(_metrics, b.metrics)
+            if seen.get(reason):
+                break
+            await asyncio.sleep(0.05)
+        assert seen.get(reason) == 1, seen
+        for _ in range(60):         # three expiries more of reading slowly: it is kept
+            taken += _read_some(slow)
+            await asyncio.sleep(0.05)
+        seen = await asyncio.to_thread(_metrics, b.metrics)
+    finally:
+        frozen.close()
+        slow.close()
+    assert seen[reason] == 1 and seen[("txmq_open_connections", (("listener", "broker"),))] == 1, seen
+    assert taken > 0

@@ -16,6 +16,13 @@ class _Conn:
         self.reading_paused = False
         self.handling = False
         self.aborted = False
+        self.writing_paused = False     # the peer left more than the high-water mark unread
+        self.unread = 0                 # what unread_bytes() says
+        self.quiet_unsent = 0
+        self.budget = None
+
+    def unread_bytes(self):
+        return self.unread
 
     def abort(self):
         self.aborted = True
@@ -203,3 +210,64 @@ def test_ipv4_clients_seen_through_a_nat64_translator_are_each_their_own():
     gate = ConnectionGate(100, 1, logging.getLogger("test"), "broker listener")
     assert [gate.admit(_Conn(i, f"64:ff9b::10.0.0.{i}")) for i in (1, 2)] == [None, None]
     assert gate.admit(_Conn(3, "64:ff9b::10.0.0.1")) == "max_connections_per_host"
+
+
+def test_gates_sharing_descriptors_refuse_past_their_total_together_and_admit_again_on_release():
+    """The broker's listeners each had their own max_connections (10,000), far past an open-files limit of 256:
+    idle connections took every descriptor the store needed. Held together, past the total one more is refused
+    (reason "open-files") whichever listener it comes to, and a release gives its room to any of them."""
+    log = logging.getLogger("test")
+    broker, namesrv = ConnectionGate(100, 100, log, "broker"), ConnectionGate(100, 100, log, "namesrv")
+    ConnectionGate.share_descriptors([broker, namesrv], 3)
+    first = _Conn(1)
+    assert [broker.admit(first), broker.admit(_Conn(2)), namesrv.admit(_Conn(3))] == [None, None, None]
+    assert broker.admit(_Conn(4)) == "open-files"
+    assert namesrv.admit(_Conn(5)) == "open-files"
+    broker.release(first)
+    assert namesrv.admit(_Conn(6)) is None
+
+
+def test_a_peer_that_reads_none_of_its_responses_is_closed_after_the_expiry_and_one_reading_slowly_is_kept():
+    """A peer that stopped reading paused the broker's reading of it, and a connection paused was never quiet: a
+    frozen client kept its connection, and its unread responses, for good. Now only one whose peer takes some of
+    them each turn is kept."""
+    gate = ConnectionGate(10, 10, logging.getLogger("test"), "broker listener")
+    frozen, slow = _Conn(1), _Conn(2)
+    for conn in (frozen, slow):
+        conn.reading_paused = conn.writing_paused = True
+        conn.unread = 6_000_000
+        assert gate.admit(conn) is None
+    for _ in range(3):
+        slow.unread -= 4096
+        assert gate.close_quiet(3) == 0
+    slow.unread -= 4096
+    assert gate.close_quiet(3) == 1
+    assert frozen.aborted and not slow.aborted
+
+
+def test_a_flood_on_one_listener_sharing_descriptors_leaves_the_others_their_own_share():
+    """The name-server port is unauthenticated: idle connections to it took the whole shared total and the broker
+    and HA listeners refused everyone. Each keeps max_together // (2 * gates) that the others cannot take."""
+    log = logging.getLogger("test")
+    broker, namesrv, ha = (ConnectionGate(100, 100, log, name) for name in ("broker", "namesrv", "ha"))
+    ConnectionGate.share_descriptors([broker, namesrv, ha], 30)
+    flood = [namesrv.admit(_Conn(i)) for i in range(40)]
+    assert flood.count(None) == 30 - 2 * 5 and flood[-1] == "open-files"
+    assert [broker.admit(_Conn(100 + i)) for i in range(6)] == [None] * 5 + ["open-files"]
+    assert [ha.admit(_Conn(200 + i)) for i in range(6)] == [None] * 5 + ["open-files"]
+
+
+def test_close_quiet_asks_the_kernel_nothing_about_connections_whose_peer_keeps_up():
+    """unread_bytes() is an ioctl (TIOCOUTQ), ~10 us here: asked of every connection with a request in hand (each
+    consumer's parked pulls), 10,000 consumers stalled the loop ~100 ms every housekeeping turn, for nothing: only
+    a connection whose peer left more than the high-water mark unread (writing paused) can be one that reads none."""
+    gate = ConnectionGate(100, 100, logging.getLogger("test"), "broker listener")
+    asked = []
+    conns = [_Conn(i) for i in range(50)]
+    for conn in conns:
+        conn.handling = True
+        conn.unread_bytes = lambda conn=conn: asked.append(conn) or 0
+        assert gate.admit(conn) is None
+    for _ in range(5):
+        assert gate.close_quiet(3) == 0
+    assert asked == []

@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from broker.server import effective_max_queues
+from broker.server import connections_limits_hold, effective_max_queues
 from broker.topics import TopicConfig, TopicManager
 
 
@@ -54,6 +54,16 @@ def test_max_queues_unset_is_what_the_limits_hold_and_set_is_kept_and_warned_abo
     kept, short = effective_max_queues(70000, 1 << 20, 65530)
     assert kept == 70000 and "vm.max_map_count=65530" in short and "open-files" not in short
     assert effective_max_queues(70000, resource.RLIM_INFINITY, None) == (70000, None)
+
+
+def test_connections_get_half_the_headroom_max_queues_leaves_and_never_the_store_s_descriptors():
+    # derived max_queues leaves a quarter of a small limit: half of that is the connections'
+    assert connections_limits_hold(256, effective_max_queues(0, 256, 65530)[0]) == 32
+    assert connections_limits_hold(20000, effective_max_queues(0, 20000, 65530)[0]) == 3072
+    # vm.max_map_count binds the queues: the connections have the rest of the limit
+    assert connections_limits_hold(1 << 20, 65530 - 4096) == (1 << 20) - 2 * (65530 - 4096) - 1024
+    assert connections_limits_hold(160, 30000) == 16      # a max_queues past the limit: a few, never none
+    assert connections_limits_hold(resource.RLIM_INFINITY, 100) is None
 
 
 def test_who_made_each_topic_and_holds_its_queues_is_counted_again_after_a_restart(tmp_path):
