@@ -1087,7 +1087,7 @@ class TransactionService:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, f"transaction at {half_offset} not resumed: retention is "
                                 "removing the commit-log segment its half is in; its dead letter keeps the message")
         tx = tx_from_half(msg, owner_id=owner)
-        why = self.core.resume(tx, self.ctx.monotonic())      # pending again at once: a second resume is refused
+        why = self.core.resume(tx, self.ctx.monotonic(), self.stored_at(tx.store_ts))   # (a second is refused)
         if why is not None:
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why)
         result = await self.ctx.store.put(self.records.decision(RESUME, half_offset, msg.queue_offset,

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
@@ -71,6 +73,36 @@ async def test_checks_keep_their_pace_when_the_wall_clock_steps(broker_factory, 
         offset.write_text(steps[1] + "\n")         # and again between checks
         await listener.wait_for(3, 15)
 
+
+
+def _oldest_half_age(b, group: str) -> float | None:
+    """txmq_half_message_oldest_age_seconds of ``group``, scraped (None: absent)."""
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "txmq_half_message_oldest_age_seconds" and s.labels.get("producer_group") == group:
+                return s.value
+    return None
+
+
+@pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
+async def test_the_oldest_half_age_counts_the_time_that_passed_not_the_step(broker_factory, tmp_path, step):
+    """txmq_half_message_oldest_age_seconds (alerted on above 600 s) was the wall clock's now minus the half's
+    store time. Stepped back an hour, it said 0 s for that hour, however long the transaction had been stuck:
+    the alert silent. Stepped forward an hour, a half stored a second before was an hour old: a page for
+    nothing. It counts the time that passed since the half was stored, by the check schedule's clock."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory("--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000",
+                       env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
+        sending = time.monotonic()
+        await producer.send_in_transaction("TxClock", b"in doubt")
+        offset.write_text(step + "\n")
+        async with asyncio.timeout(20):     # the gauges are refreshed once a second: polled
+            while (age := await asyncio.to_thread(_oldest_half_age, b, "PG_clock")) is None or age < 2:
+                await asyncio.sleep(0.2)
+        assert age <= time.monotonic() - sending + 1, f"{age} s old after {time.monotonic() - sending:.1f} s"
 
 async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_restart(broker_factory, tmp_path):
     """A broker restarted after its clock went back an hour finds halves stored "an hour ahead": they get
