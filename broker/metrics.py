@@ -429,7 +429,10 @@ class BrokerMetrics:
         """Once a second (the broker's gauge loop): the put and get totals store_tps reads, the stats windows'
         snapshots when due, and the mornings' totals after a local midnight."""
         day = date.fromtimestamp(time.time() if wall is None else wall).toordinal()
-        if day != self._morning_day:
+        # Only a later day: a wall clock stepped back across midnight (NTP, a VM resumed) moved them at the step and
+        # again when the clock reached the same midnight, yesterday's count then the minutes between (a count that
+        # lied, nothing said). After a step back they move at the next midnight the clock has not yet passed.
+        if day > self._morning_day:
             self._morning_day = day
             m = self.mornings
             m["msgPutTotalYesterdayMorning"], m["msgPutTotalTodayMorning"] = m["msgPutTotalTodayMorning"], self.put_total
