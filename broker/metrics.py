@@ -232,6 +232,10 @@ class BrokerMetrics:
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)
+        self.stale_subscriptions = Counter("txmq_subscriptions_kept_older", "Heartbeats whose changed "
+                                           "subscription was kept out: its subVersion (the client's wall clock when it "
+                                           "subscribed) older than the one kept, by consumer group.",
+                                           ["consumer_group"], registry=r)
         self.dead_letters = Counter("txmq_transaction_dead_letters", "Transactions dead-lettered, by reason.",
                                     ["producer_group", "reason"], registry=r)
         self.transactions_lost = Counter("txmq_transactions_lost", "Undecided transactions whose half message the "

@@ -132,6 +132,7 @@ class BrokerServer:
                               trace_topic=c.trace_topic_enable,
                               per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
+        clients.on_stale_subscription = lambda group: self.metrics.child(self.metrics.stale_subscriptions, group).inc()
         self.lock_file = LockFile(os.path.join(store_dir, "config"), clients, self.metrics,
                                   max_live_ms=c.queue_lock_max_live_ms)
         self.lock_file.load()
