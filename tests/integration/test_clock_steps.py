@@ -8,6 +8,7 @@ after a sleep; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
 
@@ -17,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
+from protocol.codes import RequestCode
+from tests.support.cluster_process import request
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, stepped_env
 
 pytestmark = pytest.mark.asyncio
@@ -103,6 +106,26 @@ async def test_the_oldest_half_age_counts_the_time_that_passed_not_the_step(brok
             while (age := await asyncio.to_thread(_oldest_half_age, b, "PG_clock")) is None or age < 2:
                 await asyncio.sleep(0.2)
         assert age <= time.monotonic() - sending + 1, f"{age} s old after {time.monotonic() - sending:.1f} s"
+
+@pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
+async def test_the_admin_lists_age_counts_the_time_that_passed_not_the_step(broker_factory, tmp_path, step):
+    """`admin list` (TXMQ_LIST_TRANSACTIONS) said each undecided half's age_ms by the wall clock, beside its
+    next_check_in_ms by the monotonic one: stepped back an hour, a half just sent was -3,600,000 ms old; forward,
+    an hour old, while the oldest-half gauge said a second. Its age is the time passed, as the gauge's."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory("--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000",
+                       env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
+        sending = time.monotonic()
+        await producer.send_in_transaction("TxClock", b"in doubt")
+        offset.write_text(step + "\n")
+        listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10})
+        [row] = json.loads(listed.body_bytes())["pending"]
+        elapsed_ms = (time.monotonic() - sending) * 1000
+        assert 0 <= row["age_ms"] <= elapsed_ms + 50, f"{row['age_ms']} ms old after {elapsed_ms:.0f} ms"
+        assert abs(row["age_ms"] + row["next_check_in_ms"] - 600_000) <= 50, row
+
 
 async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_restart(broker_factory, tmp_path):
     """A broker restarted after its clock went back an hour finds halves stored "an hour ahead": they get
