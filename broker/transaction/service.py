@@ -1043,13 +1043,15 @@ class TransactionService:
     # ---------------------------------------------------------------- admin
     def describe(self, group: str | None = None, limit: int = 1000, txs: list[Tx] | None = None) -> list[dict]:
         """The admin list's rows: of ``txs``, or of the ``limit`` oldest stored (of ``group``)."""
-        now, ticks = self.ctx.clock(), self.ctx.monotonic()
+        # age by the schedule's (monotonic) clock, as next_check_in_ms and the oldest-half gauge: by the wall
+        # clock, a step back of an hour listed a half just sent as -3,600,000 ms old, a step forward an hour old
+        ticks = self.ctx.monotonic()
         rows = []
         for p in self.core.oldest(group or None, limit) if txs is None else txs:
             # As a check would find it: a sender reconnected (after a restart too) is here, not "gone".
             conn, why = self._sender(p, self.ctx.clients.producer_channels(p.group))
             rows.append({"commit_log_offset": p.half_offset, "queue_offset": p.queue_offset, "group": p.group,
-                         "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": now - p.store_ts,
+                         "topic": p.topic, "uniq_key": p.uniq_key, "age_ms": ticks - p.stored_at,
                          "checks": p.checks, "owner": sender_id(p) + ("" if conn is not None else " (left the group)"
                                                                       if why == "sender-left" else " (gone)"),
                          "last_answer": p.last_answer or "-", "next_check_in_ms": max(0, p.next_check - ticks)})
