@@ -88,6 +88,20 @@ def test_the_mornings_totals_move_once_when_the_wall_clock_steps_back_across_mid
     m.sample_totals(wall=midnight + 2 * 86400)          # the next one (days of 23 or 25 hours too)
     assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (0, 7)
 
+def test_the_mornings_totals_move_again_after_a_wall_clock_set_days_ahead_is_corrected():
+    """A clock set days ahead (a host booted with a wrong RTC, then NTP) and corrected: moving them only at a date
+    later than the last they moved at, they stayed put until the clock reached that date again (a year ahead: a
+    year), msgPut/GetTotal*Morning frozen, nothing said. Corrected by more than a day, they move at the next
+    midnight; stepped back one day (see above), once."""
+    m = BrokerMetrics()
+    midnight = datetime.combine(date.today() + timedelta(days=1), datetime.min.time()).timestamp()   # local
+    m.sample_totals(wall=midnight + 365 * 86400)        # a year ahead
+    m.count_in("T", 5, 50)
+    m.sample_totals(wall=midnight - 600)                # corrected: 23:50 today
+    m.sample_totals(wall=midnight + 1)                  # the next midnight
+    assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (0, 5)
+
+
 def test_groups_gone_for_an_hour_give_their_stats_places_to_new_ones():
     """GROUP_GET_NUMS pairs are held for max_series pairs like the delivery series they mirror. Kept, the first
     max_series pairs ever seen (a client pulling under invented group names, or months of groups named after
