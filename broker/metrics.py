@@ -441,6 +441,10 @@ class BrokerMetrics:
             m = self.mornings
             m["msgPutTotalYesterdayMorning"], m["msgPutTotalTodayMorning"] = m["msgPutTotalTodayMorning"], self.put_total
             m["msgGetTotalYesterdayMorning"], m["msgGetTotalTodayMorning"] = m["msgGetTotalTodayMorning"], self.get_total
+        elif day < self._morning_day - 1:
+            # Back by more than a day: the clock was set ahead (a wrong RTC at boot, then NTP) and corrected.
+            # Waited for, that far date froze them for as long (a year ahead: a year): they move at the next midnight.
+            self._morning_day = day
         now = time.monotonic() if now is None else now
         self._totals.append((now, self.put_total, self.get_total))
         self.put_windows.snapshot(now, lambda: {topic: counts[0] for topic, counts in self._in.items()})
