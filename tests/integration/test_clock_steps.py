@@ -127,6 +127,47 @@ async def test_the_admin_lists_age_counts_the_time_that_passed_not_the_step(brok
         assert abs(row["age_ms"] + row["next_check_in_ms"] - 600_000) <= 50, row
 
 
+class _StepsThenCommits:
+    """Steps the broker's wall clock while its local transaction runs (its half stored), then commits."""
+
+    def __init__(self, offset, step: str):
+        self.offset, self.step = offset, step
+
+    async def execute_local_transaction(self, msg, arg):
+        self.offset.write_text(self.step + "\n")
+        return S.COMMIT_MESSAGE
+
+    async def check_local_transaction(self, msg):
+        return S.COMMIT_MESSAGE
+
+
+def _latency(b, group: str) -> tuple[float, float]:
+    """rocketmq_finish_message_latency's (count, sum) for ``group``, scraped."""
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name.startswith("rocketmq_finish_message_latency_") and s.labels.get("producer_group") == group}
+    return found.get("rocketmq_finish_message_latency_count", 0.0), found.get("rocketmq_finish_message_latency_sum", 0.0)
+
+
+@pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
+async def test_the_decision_latency_counts_the_time_that_passed_not_the_step(broker_factory, tmp_path, step):
+    """rocketmq_finish_message_latency (half to decision) was the wall clock's now minus the half's store time:
+    the wall clock stepped forward an hour while a local transaction ran, its commit a second later was observed
+    as an hour (the histogram's top bucket, a p99 alert); back, as 0. It counts the time that passed."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_latency", _StepsThenCommits(offset, step)) as producer:
+        sending = time.monotonic()
+        result = await producer.send_in_transaction("TxClock", b"decided")
+        elapsed = time.monotonic() - sending
+    assert result.acknowledged
+    async with asyncio.timeout(10):
+        while (seen := await asyncio.to_thread(_latency, b, "PG_latency"))[0] < 1:
+            await asyncio.sleep(0.2)
+    assert seen[0] == 1 and 0 < seen[1] <= elapsed + 0.05, f"{seen[1]} s to decide, after {elapsed:.2f} s"
+
+
 async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_restart(broker_factory, tmp_path):
     """A broker restarted after its clock went back an hour finds halves stored "an hour ahead": they get
     their immunity from now, not the hour's wait until the wall clock reaches their store time again."""
