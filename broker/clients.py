@@ -19,7 +19,7 @@ from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
 from protocol.message import MAX_CLIENT_ID_LENGTH, Prop, java_string_hash, text_encodes, validate_group
 
-from .limits import count_down, peer_host
+from .limits import EveryKey, count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
 from .topics import RETRY_PREFIX
 
@@ -331,6 +331,8 @@ class ClientRegistry:
         self._consuming: dict[object, set[str]] = {}
         self.on_new_retry_group = None            # callback(group, first heartbeat, conn) -> makes sure of %RETRY%group
         self.on_new_producer = None               # callback(group): a producer of it registered on a connection
+        self.on_stale_subscription = None         # callback(group): a changed subscription kept out (_stale_subscription)
+        self._stale_said = EveryKey(60.0, total=10)
         # NOTIFY_CONSUMER_IDS_CHANGED at most once per NOTICE_GAP_S a group (see notify_ids_changed) when set:
         # call_later(seconds, fn, *args) (the loop's); unset (no loop), every change is told at once.
         self.call_later = None
@@ -483,6 +485,9 @@ class ClientRegistry:
             if old is None:
                 changed = True
             elif old.sub_version > version:
+                if ((sub.get("subString") or "*"), (sub.get("expressionType") or "TAG")) != (old.sub_string,
+                                                                                            old.expression_type):
+                    self._stale_subscription(name, client_id, old, sub, version)
                 continue
             codes = sub.get("codeSet") or []
             tags = sub.get("tagsSet") or []
@@ -502,6 +507,22 @@ class ClientRegistry:
         group.channels[conn].broadcasting = (_enum(data.get("messageModel"), _MESSAGE_MODELS, "CLUSTERING")
                                               == "BROADCASTING")
         return changed
+
+    def _stale_subscription(self, group: str, client_id: str, old: Subscription, sub: dict, version: int) -> None:
+        """A heartbeat's changed subscription with a subVersion older than the one kept: kept out, as RocketMQ's
+        ConsumerGroupInfo.updateSubscription (the newest wins, so members that differ do not flip it). The version
+        is the client's wall clock when it subscribed: a consumer whose clock stepped back (or restarted on a host
+        behind the old one's) re-subscribing was kept to the old expression, its pulls without a subscription (a
+        stock push consumer's) filtered by it, the messages it now wants passed over unread, nothing said."""
+        if self.on_stale_subscription is not None:
+            self.on_stale_subscription(group)
+        if self._stale_said.due(group):
+            log.warning("consumer group %s: client %s subscribes to %s with %r (%s, subVersion %d), older than the "
+                        "%r (%s) kept (subVersion %d, %.0f s later): kept, as RocketMQ does; pulls without their "
+                        "subscription are filtered by it. Is the client's clock behind? (at most once a minute a "
+                        "group)", group, client_id, old.topic, sub.get("subString") or "*",
+                        sub.get("expressionType") or "TAG", version, old.sub_string, old.expression_type,
+                        old.sub_version, (old.sub_version - version) / 1000)
 
     # ----------------------------------------------------------- departures
     def unregister(self, conn, producer_group: str | None, consumer_group: str | None) -> list[str]:

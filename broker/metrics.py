@@ -233,6 +233,10 @@ class BrokerMetrics:
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)
+        self.stale_subscriptions = Counter("txmq_subscriptions_kept_older", "Heartbeats whose changed "
+                                           "subscription was kept out: its subVersion (the client's wall clock when it "
+                                           "subscribed) older than the one kept, by consumer group.",
+                                           ["consumer_group"], registry=r)
         self.dead_letters = Counter("txmq_transaction_dead_letters", "Transactions dead-lettered, by reason.",
                                     ["producer_group", "reason"], registry=r)
         self.transactions_lost = Counter("txmq_transactions_lost", "Undecided transactions whose half message the "
@@ -430,11 +434,18 @@ class BrokerMetrics:
         """Once a second (the broker's gauge loop): the put and get totals store_tps reads, the stats windows'
         snapshots when due, and the mornings' totals after a local midnight."""
         day = date.fromtimestamp(time.time() if wall is None else wall).toordinal()
-        if day != self._morning_day:
+        # Only a later day: a wall clock stepped back across midnight (NTP, a VM resumed) moved them at the step and
+        # again when the clock reached the same midnight, yesterday's count then the minutes between (a count that
+        # lied, nothing said). After a step back they move at the next midnight the clock has not yet passed.
+        if day > self._morning_day:
             self._morning_day = day
             m = self.mornings
             m["msgPutTotalYesterdayMorning"], m["msgPutTotalTodayMorning"] = m["msgPutTotalTodayMorning"], self.put_total
             m["msgGetTotalYesterdayMorning"], m["msgGetTotalTodayMorning"] = m["msgGetTotalTodayMorning"], self.get_total
+        elif day < self._morning_day - 1:
+            # Back by more than a day: the clock was set ahead (a wrong RTC at boot, then NTP) and corrected.
+            # Waited for, that far date froze them for as long (a year ahead: a year): they move at the next midnight.
+            self._morning_day = day
         now = time.monotonic() if now is None else now
         self._totals.append((now, self.put_total, self.get_total))
         self.put_windows.snapshot(now, lambda: {topic: counts[0] for topic, counts in self._in.items()})

@@ -147,6 +147,7 @@ class BrokerServer:
                               trace_topic=c.trace_topic_enable,
                               per_host=not ha_roles.is_slave(c))     # a slave's follow its master's: no caps
         clients.on_new_retry_group = self._new_retry_group
+        clients.on_stale_subscription = lambda group: self.metrics.child(self.metrics.stale_subscriptions, group).inc()
         self.lock_file = LockFile(os.path.join(store_dir, "config"), clients, self.metrics,
                                   max_live_ms=c.queue_lock_max_live_ms)
         self.lock_file.load()
@@ -518,7 +519,7 @@ class BrokerServer:
 
     def _refresh_gauges(self) -> None:
         ctx = self.ctx
-        now_ms = self.clock()
+        mono_ms = ctx.monotonic()
         counted = self._lag_counted()
         # (as consumer-progress: not a topic no online member of its group subscribes to, where its offset
         # stays and the lag grew with every message others sent there, an alert firing for good)
@@ -543,7 +544,10 @@ class BrokerServer:
             "schedule": [] if ha_roles.is_slave(self.config) else
             [((level,), n) for level, n in ctx.schedule.waiting()],
             "oldest_half": [] if ha_roles.is_slave(self.config) else
-            [((g,), max(0.0, (now_ms - ts) / 1000)) for g, ts in ctx.tx.oldest_by_group().items()],
+            # by the check schedule's clock (monotonic): by the wall clock, a step back of an hour said 0 s for
+            # that hour of a transaction stuck for days (its alert silent), a step forward aged a second-old one
+            # by the step (a page for nothing)
+            [((g,), max(0.0, (mono_ms - at) / 1000)) for g, at in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.stopped else 0)],
             "index_cut": [((), ctx.index.queries_cut)] if ctx.index is not None else [],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],

@@ -149,6 +149,7 @@ class PullConsumer:
         self._offline: dict[str, str] = {}      # broker forgotten (no route names it) -> its last address
         self.beat_unreached: list[str] = []     # the broker addresses the last heartbeat met no answer from
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
+        self._sub_version = 0           # the last heartbeat's subVersion: each one's is later (heartbeat)
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
@@ -338,7 +339,10 @@ class PullConsumer:
         """Announce the group and its subscriptions to every known broker (``only``: those of them at these
         addresses); a broker that does not answer does not keep the others from hearing (once all were tried, the
         first refusal is raised, else the first failure)."""
-        version = int(time.time() * 1000)
+        # A broker keeps a group's subscription with the newest subVersion (RocketMQ). By the wall clock alone,
+        # after it stepped back every heartbeat's was older than the one kept, and a subscription changed then
+        # was kept out (said by the broker, txmq_subscriptions_kept_older_total): this process's never go back.
+        version = self._sub_version = max(int(time.time() * 1000), self._sub_version + 1)
         subs = [as_selector(e).subscription_data(t, version) for t, e in self.subscriptions.items()]
         body = json.dumps({"clientID": self.client_id, "producerDataSet": [], "consumerDataSet": [{
             "groupName": self.group, "consumeType": consume_type, "messageModel": message_model,

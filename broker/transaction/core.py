@@ -69,6 +69,7 @@ class Tx:
     uniq_key: str
     store_ts: int
     real_qid: int = 0
+    stored_at: int = 0           # when it was stored by the schedule's clock (add): what its age is judged by
     tags_code: int = 0
     next_check: int = 0
     checks: int = 0
@@ -197,7 +198,7 @@ class TransactionCore:
         # stored (add), read each of them, 6 ms a half with 10,000 groups due (a restart, producers hung or gone).
         self._turn_next: list[tuple[int, str]] = []
         self.taken = 0      # due entries taken so far (due): the work of check passes, for tests and benches
-        self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (store time, half offset)
+        self._by_age: dict[str, list[tuple[int, int]]] = {}     # group -> heap of (Tx.stored_at, half offset)
         self._by_age_entries = 0
         self.compactions = 0    # lazy heaps rebuilt or swept of their decided entries (_push, _age): for the metrics
         # group -> the next position of its schedule (age heap) to examine, while a sweep of it is under way (_sweep)
@@ -249,7 +250,8 @@ class TransactionCore:
 
         ``stored_at``: when the half was stored by the schedule's clock, when that is not the clock of
         ``tx.store_ts`` (the service schedules by the monotonic clock; store times are the wall clock's)."""
-        tx.next_check = first_check_time(self.policy, tx.store_ts if stored_at is None else stored_at, immunity_s)
+        tx.stored_at = tx.store_ts if stored_at is None else stored_at
+        tx.next_check = first_check_time(self.policy, tx.stored_at, immunity_s)
         if now is not None:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()
@@ -300,7 +302,7 @@ class TransactionCore:
             # Compacted on a read (_age_heaps) too, but that is a metrics scrape or an admin list: without them,
             # the heaps kept every decision's entry as the schedule did (_push). Swept a slice a push, as it is.
             self._by_age_entries -= self._sweep(heap, group, self._age_sweep, False)
-        heapq.heappush(heap, (tx.store_ts, tx.half_offset))
+        heapq.heappush(heap, (tx.stored_at, tx.half_offset))
         self._by_age_entries += 1
 
     def lowest_queue_offset(self) -> int | None:
@@ -346,7 +348,7 @@ class TransactionCore:
         return out
 
     def oldest_by_group(self) -> dict[str, int]:
-        """{producer group: store time (ms) of its oldest undecided half}.
+        """{producer group: when its oldest undecided half was stored (ms), by the schedule's clock (Tx.stored_at)}.
 
         Lazy heaps: a decided half leaves its entry behind until it reaches the top, so a read
         costs O(log n) per decided entry; a group's heap is swept a slice a push once its stale entries
@@ -372,7 +374,7 @@ class TransactionCore:
         self._by_age = {}
         self._age_sweep.clear()
         for tx in self.pending.values():
-            self._by_age.setdefault(tx.group, []).append((tx.store_ts, tx.half_offset))
+            self._by_age.setdefault(tx.group, []).append((tx.stored_at, tx.half_offset))
         for heap in self._by_age.values():
             heapq.heapify(heap)
         self._by_age_entries = len(self.pending)
@@ -626,8 +628,8 @@ class TransactionCore:
             tx.parked = False
         tx.deciding = None
 
-    def resume(self, tx: Tx, now: int) -> str | None:
-        """Re-open a dead-lettered transaction; None, or why not."""
+    def resume(self, tx: Tx, now: int, stored_at: int | None = None) -> str | None:
+        """Re-open a dead-lettered transaction; None, or why not. ``stored_at``: as add's."""
         earlier = self.decided(tx.half_offset)
         if earlier != DEAD:
             # (undecided is not unknown: said "(unknown)", an operator resuming a half still being checked was told
@@ -639,6 +641,7 @@ class TransactionCore:
             return f"transaction at {tx.half_offset} is already pending again"
         tx.checks = 0
         tx.unanswered = 0
+        tx.stored_at = tx.store_ts if stored_at is None else stored_at
         self._put(tx)
         self._reschedule(tx, now)
         self._age(tx)

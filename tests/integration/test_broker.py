@@ -329,3 +329,48 @@ async def test_tags_with_one_hash_code_reach_the_client_by_code_and_are_told_apa
         assert sorted(m.body for m in both.messages) == [b"BB", b"BB", b"C", b"seed"]
     finally:
         await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_changed_subscription_with_an_older_version_is_kept_out_and_said(broker):
+    """A heartbeat's subVersion is the client's wall clock when it subscribed; as RocketMQ's updateSubscription,
+    a changed subscription with an older one than the group's is kept out (members that differ do not flip it).
+    A consumer whose clock went back (or restarted on a host behind) re-subscribing from tag A to B was kept to A,
+    its pulls without a subscription (a stock push consumer's) given A's messages, B's passed over unread, nothing
+    said. Kept still, now counted (txmq_subscriptions_kept_older_total) and said at WARNING once a minute a group;
+    a repeat of the kept expression with an older version (our consumers' heartbeats after a step back) is not."""
+    async with Producer(broker.namesrv, "PG_stale") as producer:
+        mq = (await producer.routes.publish_queues("StaleSub"))[0]
+        for tag in ("A", "B"):
+            await producer.send("StaleSub", tag.encode(), tags=tag, queue=mq)
+    conn = await _conn(broker.broker)
+
+    async def beat(tag: str, version: int) -> None:
+        body = {"clientID": "127.0.0.1@stale", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": "CG_stale", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                "classFilterMode": False, "topic": "StaleSub", "subString": tag, "tagsSet": [tag],
+                "codeSet": [ord(tag)], "subVersion": version, "expressionType": "TAG"}]}]}
+        resp = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, None, json.dumps(body).encode()), 5)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+
+    def kept_older() -> float:
+        text = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+        return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "txmq_subscriptions_kept_older_total" and s.labels == {"consumer_group": "CG_stale"}),
+                    0.0)
+    try:
+        await beat("A", 1_700_000_600_000)
+        await beat("A", 1_700_000_000_000)      # the same expression, older: nothing to say
+        assert await asyncio.to_thread(kept_older) == 0
+        await beat("B", 1_700_000_000_000)      # changed, ten minutes older
+        await beat("B", 1_700_000_000_000)
+        resp = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_stale", "topic": "StaleSub", "queueId": mq.queue_id, "queueOffset": 0,
+            "maxMsgNums": 32, "sysFlag": 0, "commitOffset": 0, "suspendTimeoutMillis": 0,
+            "subVersion": 1_700_000_000_000, "expressionType": "TAG"}), 5)
+        assert [m.body for m in decode_records(resp.body_bytes())] == [b"A"]      # kept, as RocketMQ
+    finally:
+        conn.close()
+    assert await asyncio.to_thread(kept_older) == 2
+    assert broker.log().count("subscribes to StaleSub with 'B'") == 1, broker.log()[-2000:]

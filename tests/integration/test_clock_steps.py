@@ -8,13 +8,18 @@ after a sleep; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
+from protocol.codes import RequestCode
+from tests.support.cluster_process import request
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, stepped_env
 
 pytestmark = pytest.mark.asyncio
@@ -70,6 +75,97 @@ async def test_checks_keep_their_pace_when_the_wall_clock_steps(broker_factory, 
         assert listener.first_at - sending >= IMMUNITY_S - 0.05, "checked before its immunity ended"
         offset.write_text(steps[1] + "\n")         # and again between checks
         await listener.wait_for(3, 15)
+
+
+
+def _oldest_half_age(b, group: str) -> float | None:
+    """txmq_half_message_oldest_age_seconds of ``group``, scraped (None: absent)."""
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "txmq_half_message_oldest_age_seconds" and s.labels.get("producer_group") == group:
+                return s.value
+    return None
+
+
+@pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
+async def test_the_oldest_half_age_counts_the_time_that_passed_not_the_step(broker_factory, tmp_path, step):
+    """txmq_half_message_oldest_age_seconds (alerted on above 600 s) was the wall clock's now minus the half's
+    store time. Stepped back an hour, it said 0 s for that hour, however long the transaction had been stuck:
+    the alert silent. Stepped forward an hour, a half stored a second before was an hour old: a page for
+    nothing. It counts the time that passed since the half was stored, by the check schedule's clock."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory("--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000",
+                       env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
+        sending = time.monotonic()
+        await producer.send_in_transaction("TxClock", b"in doubt")
+        offset.write_text(step + "\n")
+        async with asyncio.timeout(20):     # the gauges are refreshed once a second: polled
+            while (age := await asyncio.to_thread(_oldest_half_age, b, "PG_clock")) is None or age < 2:
+                await asyncio.sleep(0.2)
+        assert age <= time.monotonic() - sending + 1, f"{age} s old after {time.monotonic() - sending:.1f} s"
+
+@pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
+async def test_the_admin_lists_age_counts_the_time_that_passed_not_the_step(broker_factory, tmp_path, step):
+    """`admin list` (TXMQ_LIST_TRANSACTIONS) said each undecided half's age_ms by the wall clock, beside its
+    next_check_in_ms by the monotonic one: stepped back an hour, a half just sent was -3,600,000 ms old; forward,
+    an hour old, while the oldest-half gauge said a second. Its age is the time passed, as the gauge's."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory("--transaction-timeout-ms", "600000", "--transaction-check-interval-ms", "600000",
+                       env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_clock", Checked()) as producer:
+        sending = time.monotonic()
+        await producer.send_in_transaction("TxClock", b"in doubt")
+        offset.write_text(step + "\n")
+        listed = await request(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"limit": 10})
+        [row] = json.loads(listed.body_bytes())["pending"]
+        elapsed_ms = (time.monotonic() - sending) * 1000
+        assert 0 <= row["age_ms"] <= elapsed_ms + 50, f"{row['age_ms']} ms old after {elapsed_ms:.0f} ms"
+        assert abs(row["age_ms"] + row["next_check_in_ms"] - 600_000) <= 50, row
+
+
+class _StepsThenCommits:
+    """Steps the broker's wall clock while its local transaction runs (its half stored), then commits."""
+
+    def __init__(self, offset, step: str):
+        self.offset, self.step = offset, step
+
+    async def execute_local_transaction(self, msg, arg):
+        self.offset.write_text(self.step + "\n")
+        return S.COMMIT_MESSAGE
+
+    async def check_local_transaction(self, msg):
+        return S.COMMIT_MESSAGE
+
+
+def _latency(b, group: str) -> tuple[float, float]:
+    """rocketmq_finish_message_latency's (count, sum) for ``group``, scraped."""
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name.startswith("rocketmq_finish_message_latency_") and s.labels.get("producer_group") == group}
+    return found.get("rocketmq_finish_message_latency_count", 0.0), found.get("rocketmq_finish_message_latency_sum", 0.0)
+
+
+@pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
+async def test_the_decision_latency_counts_the_time_that_passed_not_the_step(broker_factory, tmp_path, step):
+    """rocketmq_finish_message_latency (half to decision) was the wall clock's now minus the half's store time:
+    the wall clock stepped forward an hour while a local transaction ran, its commit a second later was observed
+    as an hour (the histogram's top bucket, a p99 alert); back, as 0. It counts the time that passed."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(env=stepped_env(offset))
+    async with TransactionProducer(b.namesrv, "PG_latency", _StepsThenCommits(offset, step)) as producer:
+        sending = time.monotonic()
+        result = await producer.send_in_transaction("TxClock", b"decided")
+        elapsed = time.monotonic() - sending
+    assert result.acknowledged
+    async with asyncio.timeout(10):
+        while (seen := await asyncio.to_thread(_latency, b, "PG_latency"))[0] < 1:
+            await asyncio.sleep(0.2)
+    assert seen[0] == 1 and 0 < seen[1] <= elapsed + 0.05, f"{seen[1]} s to decide, after {elapsed:.2f} s"
 
 
 async def test_a_half_stored_before_the_clock_went_back_is_checked_after_a_restart(broker_factory, tmp_path):

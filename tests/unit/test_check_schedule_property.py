@@ -179,7 +179,7 @@ class Model:
                 assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), f"{group}'s heap broken"
         assert core._by_age_entries == sum(map(len, core._by_age.values()))
         for tx in core.pending.values():
-            assert (tx.store_ts, tx.half_offset) in core._by_age.get(tx.group, ()), f"{tx.half_offset} aged out"
+            assert (tx.stored_at, tx.half_offset) in core._by_age.get(tx.group, ()), f"{tx.half_offset} aged out"
         due = core.next_due()
         if earliest is not None:
             assert due is not None and due <= earliest, f"next_due {due} after the earliest check {earliest}"

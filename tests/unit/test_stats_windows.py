@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from datetime import date, datetime, timedelta
 
 from broker.metrics import BrokerMetrics
 from broker.stats_windows import StatsWindows
@@ -69,6 +70,36 @@ def test_the_mornings_totals_move_at_each_local_midnight():
                           "msgGetTotalYesterdayMorning": 0, "msgGetTotalTodayMorning": 3}
     m.sample_totals(wall=today + 2 * 86400)
     assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (5, 7)
+
+
+
+def test_the_mornings_totals_move_once_when_the_wall_clock_steps_back_across_midnight():
+    """Stepped back across midnight and forward again (NTP, a VM resumed), the mornings' totals moved at the step
+    back and again at the same midnight: yesterday's count (TodayMorning - YesterdayMorning) became the minutes
+    between the two, today's lost them. They move at a midnight the clock had not passed before, once."""
+    m = BrokerMetrics()
+    midnight = datetime.combine(date.today() + timedelta(days=1), datetime.min.time()).timestamp()   # local
+    m.sample_totals(wall=midnight + 600)                # 00:10: the day's first sample moves them
+    m.count_in("T", 5, 50)
+    m.sample_totals(wall=midnight - 3000)               # stepped back an hour: 23:10 the day before
+    m.count_in("T", 2, 20)
+    m.sample_totals(wall=midnight + 1)                  # the same midnight again
+    assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (0, 0)
+    m.sample_totals(wall=midnight + 2 * 86400)          # the next one (days of 23 or 25 hours too)
+    assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (0, 7)
+
+def test_the_mornings_totals_move_again_after_a_wall_clock_set_days_ahead_is_corrected():
+    """A clock set days ahead (a host booted with a wrong RTC, then NTP) and corrected: moving them only at a date
+    later than the last they moved at, they stayed put until the clock reached that date again (a year ahead: a
+    year), msgPut/GetTotal*Morning frozen, nothing said. Corrected by more than a day, they move at the next
+    midnight; stepped back one day (see above), once."""
+    m = BrokerMetrics()
+    midnight = datetime.combine(date.today() + timedelta(days=1), datetime.min.time()).timestamp()   # local
+    m.sample_totals(wall=midnight + 365 * 86400)        # a year ahead
+    m.count_in("T", 5, 50)
+    m.sample_totals(wall=midnight - 600)                # corrected: 23:50 today
+    m.sample_totals(wall=midnight + 1)                  # the next midnight
+    assert (m.mornings["msgPutTotalYesterdayMorning"], m.mornings["msgPutTotalTodayMorning"]) == (0, 5)
 
 
 def test_groups_gone_for_an_hour_give_their_stats_places_to_new_ones():

@@ -309,6 +309,20 @@ def test_resume_reopens_only_a_dead_letter_with_checks_reset():
     assert s.checks_sent == [1]                                # due at once
 
 
+def test_a_half_is_aged_by_when_the_schedules_clock_says_it_was_stored():
+    """The oldest-half age gauge reads oldest_by_group by the schedule's (monotonic) clock: a half added or
+    resumed with its stored_at is aged from it, never from its store time (the wall clock's: against the
+    monotonic now, a wall-clock step aged it by the step; a resumed half was as old as the host's uptime)."""
+    s = Shell()
+    wall = 1_700_000_000_000
+    s.core.add(Tx(1, 1, "PG", "T", "U1", wall), stored_at=4_000)
+    assert s.core.oldest_by_group() == {"PG": 4_000}
+    s.finish(s.end(1, DEAD, origin=Origin.EXPIRY))
+    assert s.core.oldest_by_group() == {}
+    assert s.core.resume(Tx(1, 1, "PG", "T", "U1", wall), s.now, stored_at=3_000) is None
+    assert s.core.oldest_by_group() == {"PG": 3_000}
+
+
 def test_resume_of_an_undecided_transaction_says_it_is_undecided():
     """A resume (903, or a stock admin's 323 naming a half) of a transaction never decided was refused as "not
     dead-lettered (unknown)": the broker knows it well, it is pending its checks."""
