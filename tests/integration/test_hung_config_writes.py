@@ -103,3 +103,29 @@ async def test_a_hung_kv_config_write_on_the_name_server_is_answered_and_its_sto
         assert "the write that hung has ended" not in namesrv.log(), namesrv.log()
     finally:
         release(fifo, namesrv)
+
+
+@bounded(90)
+async def test_a_hung_topics_write_answers_the_topic_admin_codes_not_saved_and_the_stop_ends(tmp_path):
+    """UPDATE_AND_CREATE_TOPIC and DELETE_TOPIC_IN_BROKER wait for topics.json (their SUCCESS means saved): behind
+    a write that hung they were never answered, each later one held on the same write with its connection, and a
+    stock mqadmin timed out saying nothing of why. Now the first is answered SYSTEM_ERROR "not saved" after 2 s,
+    the next at once, the topic kept in memory; txmq_topics_catalogue_write_hung says it; the stop still ends."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "topics.json.tmp"
+    create = {"topic": "HungAdmin", "readQueueNums": "4", "writeQueueNums": "4", "perm": "6"}
+    try:
+        os.mkfifo(fifo)
+        first = await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, create, timeout=15)
+        assert first.code == C.SYSTEM_ERROR and "not saved" in first.remark, (first.code, first.remark)
+        assert "has not ended in 2 s" in first.remark, first.remark
+        assert await _gauge(broker, "txmq_topics_catalogue_write_hung") == 1, broker.log()
+        again = await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {**create, "topic": "HungAdmin2"}, timeout=1)
+        assert again.code == C.SYSTEM_ERROR and "not saved" in again.remark, (again.code, again.remark)
+        route = await request(broker.broker, R.GET_ALL_TOPIC_CONFIG, {}, timeout=5)
+        assert b"HungAdmin2" in route.body_bytes(), route.body_bytes()[:500]     # kept, written with the next write
+        deleted = await request(broker.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "HungAdmin"}, timeout=5)
+        assert deleted.code == C.SYSTEM_ERROR and "deleted but not saved" in deleted.remark, deleted.remark
+        sigterm_ends(broker, "topics.json", within=45)
+    finally:
+        release(fifo, broker)
