@@ -54,7 +54,7 @@ from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
-from .store.saved import daemon_default_executor
+from .store.saved import daemon_default_executor, retrieved
 from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
@@ -896,7 +896,10 @@ class BrokerServer:
                 if part is None or getattr(part, method, None) is None:
                     continue
                 try:
-                    await _maybe_await(getattr(part, method))
+                    if name in _BEHIND_THE_LOG:
+                        await self._stop_behind_the_log(name, getattr(part, method))
+                    else:
+                        await _maybe_await(getattr(part, method))
                 except Exception:  # noqa: BLE001 - see above
                     log.exception("stopping the %s failed; going on with the rest", name)
         if self._metrics_httpd is not None:
@@ -904,6 +907,34 @@ class BrokerServer:
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
+
+
+    async def _stop_behind_the_log(self, name: str, stop) -> None:
+        """``stop()``, given up once a commit-log flush has been in flight past FLUSH_HUNG_S (at once if it already
+        has). The transactions' last snapshot (store.run_io: after the flushes queued before it) and the store's
+        close (the writer drains its flushes) waited for an msync that never returned (a hung disk, a stopped NFS)
+        for ever: the process never ended after SIGTERM, and what stops after them -- the topics, the groups, the
+        consumer offsets -- was never saved (a supervisor's SIGKILL then lost every commit since the last periodic
+        save). Given up, the log is left as a kill -9 leaves it: nothing acknowledged is lost (a sync send is
+        acknowledged once flushed; an async one's bytes are in the page cache, which outlives the process), and the
+        next start recovers it from the checkpoint as after a crash; a send the flush holds was never answered."""
+        stopping = asyncio.ensure_future(_maybe_await(stop))
+        store = self.ctx.store
+        while True:
+            age = store.flush_age_s() if store is not None else 0.0
+            if age > FLUSH_HUNG_S:
+                stopping.add_done_callback(retrieved)
+                log.error("stopping without closing the %s: a commit-log flush (msync) has not returned in %.0f s (a "
+                          "hung disk or a stopped network file system?); nothing acknowledged is lost, the next start "
+                          "recovers the log as after a crash (txmq_store_flush_in_flight_seconds)", name, age)
+                return
+            done, _ = await asyncio.wait({stopping}, timeout=1.0)
+            if done:
+                return stopping.result()
+
+
+# The parts of a stop that wait for the commit log's flushes (server.stop: _stop_behind_the_log)
+_BEHIND_THE_LOG = frozenset(("transactions", "store"))
 
 
 def _error_code(exc: BaseException) -> int:
