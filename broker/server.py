@@ -921,12 +921,13 @@ class BrokerServer:
         stopping = asyncio.ensure_future(_maybe_await(stop))
         store = self.ctx.store
         while True:
-            age = store.flush_age_s() if store is not None else 0.0
+            age = max(store.flush_age_s(), store.io_stalled_s()) if store is not None else 0.0
             if age > FLUSH_HUNG_S:
                 stopping.add_done_callback(retrieved)
-                log.error("stopping without closing the %s: a commit-log flush (msync) has not returned in %.0f s (a "
-                          "hung disk or a stopped network file system?); nothing acknowledged is lost, the next start "
-                          "recovers the log as after a crash (txmq_store_flush_in_flight_seconds)", name, age)
+                log.error("stopping without closing the %s: a commit-log flush (msync) or a write on the store's I/O "
+                          "thread has not returned in %.0f s (a hung disk or a stopped network file system?); nothing "
+                          "acknowledged is lost, the next start recovers the log as after a crash "
+                          "(txmq_store_flush_in_flight_seconds)", name, age)
                 return
             done, _ = await asyncio.wait({stopping}, timeout=1.0)
             if done:
