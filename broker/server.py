@@ -427,9 +427,10 @@ class BrokerServer:
         m.add_gauge_collector("txmq_config_write_hung", "1 while a write of this config file has run past 2 s "
                               "without ending (a hung disk or a stopped network file system): its updates are "
                               "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends "
-                              "(queueLocks.json: locks granted meanwhile are not saved).",
+                              "(queueLocks.json: locks granted meanwhile are not saved; delayOffset.json: no "
+                              "scheduler snapshot is written until it ends).",
                               ["file"], lambda: [((os.path.basename(t.path),), 1 if t.write_hung else 0)
-                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file)
+                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file, ctx.schedule)
                                                  if t is not None])
         m.add_gauge_collector("txmq_store_flush_in_flight_seconds", "How long the oldest commit-log flush (msync) in "
                               "flight has run, 0 with none: one that does not return (a hung disk, a stopped "

@@ -129,3 +129,32 @@ async def test_a_hung_topics_write_answers_the_topic_admin_codes_not_saved_and_t
         sigterm_ends(broker, "topics.json", within=45)
     finally:
         release(fifo, broker)
+
+
+@bounded(90)
+async def test_a_hung_periodic_delay_offset_write_is_said_and_gauged_until_the_stop(tmp_path):
+    """The scheduler's periodic delayOffset.json write (every 10 s once a delayed message moved its progress) that
+    hung held the snapshot loop with nothing said: no log, no gauge, no later snapshot written for as long as it
+    hung. Now an ERROR after 2 s and txmq_config_write_hung{file="delayOffset.json"} say it; the stop still ends."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "delayOffset.json.tmp"
+    gauge = 'txmq_config_write_hung{file="delayOffset.json"}'
+    try:
+        os.mkfifo(fifo)
+        sent = await request(broker.broker, R.SEND_MESSAGE, {
+            "producerGroup": "PG_hung", "topic": "HungDelayGauge", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": "4", "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+            "properties": "DELAY\x011\x02"}, b"later")
+        assert sent.code == C.SUCCESS, sent.remark
+        assert f"{gauge} 0.0" in await _page(broker)
+        for _ in range(500):    # delivered after 1 s, the next periodic snapshot (within 10 s) hangs 2 s later
+            if f"{gauge} 1.0" in await _page(broker):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"{gauge} never read 1\n{broker.log()}")
+        assert "delayOffset.json: a write has not ended in 2 s" in broker.log(), broker.log()
+        sigterm_ends(broker, "delayOffset.json", within=45)
+        assert "the write that hung has ended" not in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
