@@ -101,6 +101,7 @@ class BrokerServer:
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
         self._lag_totals: tuple | None = None   # (lag, removed unread) rows, summed in slices (see _gauge_loop)
         self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
+        self._io_hung = False       # the store's I/O thread has held a no-op past FLUSH_HUNG_S (_io_stalled)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -435,6 +436,10 @@ class BrokerServer:
         m.add_gauge_collector("txmq_store_flush_in_flight_seconds", "How long the oldest commit-log flush (msync) in "
                               "flight has run, 0 with none: one that does not return (a hung disk, a stopped "
                               "network file system) holds every SYNC_FLUSH send unanswered.", [], snap("flush_age"))
+        m.add_gauge_collector("txmq_store_io_stalled_seconds", "How long a no-op queued on the store's I/O thread "
+                              "(flushes, checkpoints, the transaction snapshot, in order) has waited, 0 once it "
+                              "came through: a write that hangs there holds every flush queued behind it.", [],
+                              snap("io_stalled"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "
@@ -523,6 +528,7 @@ class BrokerServer:
             "topics": [((), len(ctx.topics.topics))],
             "damaged": [((), len(ctx.store.damaged_queues()))],
             "flush_age": [((), self._flush_age())],
+            "io_stalled": [((), self._io_stalled())],
             # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
             # never following its master's, so what they count as waiting, and for how long, only grows)
             "schedule": [] if ha_roles.is_slave(self.config) else
@@ -550,6 +556,21 @@ class BrokerServer:
             self._flush_hung = False
             log.warning("commit-log flushes return again")
         return age
+
+    def _io_stalled(self) -> float:
+        """How long a no-op has waited on the store's I/O thread (store.io_stalled_s: the gauge), said as
+        ``_flush_age`` says a flush. A transaction snapshot write that hung there (each later flush queued behind
+        it, every sync send unanswered once one came) showed on no gauge while no flush was in flight."""
+        stalled = self.ctx.store.io_stalled_s()
+        if stalled > FLUSH_HUNG_S and not self._io_hung:
+            self._io_hung = True
+            log.error("the store's I/O thread (flushes, checkpoints, the transaction snapshot) has not come through "
+                      "in %.0f s (a hung disk or a stopped network file system?): flushes queued behind it do not "
+                      "start, nothing written after it is acknowledged (txmq_store_io_stalled_seconds)", stalled)
+        elif stalled == 0.0 and self._io_hung:
+            self._io_hung = False
+            log.warning("the store's I/O thread comes through again")
+        return stalled
 
     async def _gauge_loop(self) -> None:
         while True:

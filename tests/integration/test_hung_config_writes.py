@@ -12,6 +12,7 @@ import pytest
 
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
+from protocol.codes import SysFlag
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import NamesrvProcess, request
@@ -156,5 +157,35 @@ async def test_a_hung_periodic_delay_offset_write_is_said_and_gauged_until_the_s
         assert "delayOffset.json: a write has not ended in 2 s" in broker.log(), broker.log()
         sigterm_ends(broker, "delayOffset.json", within=45)
         assert "the write that hung has ended" not in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+
+
+@bounded(120)
+async def test_a_hung_transaction_snapshot_write_is_gauged_and_said_with_no_flush_waiting(tmp_path):
+    """The periodic transaction snapshot is written on the store's I/O thread (store.run_io): one that hung there
+    held every later flush (each sync send unanswered once one came), and while none came no gauge moved and
+    nothing was said. txmq_store_io_stalled_seconds counts how long a no-op has waited there, ERROR past 10 s."""
+    store = tmp_path / "store"
+    broker = BrokerProcess(store, "--transaction-snapshot-interval-s", "1").start()
+    fifo = store / "transactions" / "snapshot.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        half = await request(broker.broker, R.SEND_MESSAGE, {
+            "producerGroup": "PG_hung_tx", "topic": "TBW102", "queueId": "0",
+            "sysFlag": str(SysFlag.TRANSACTION_PREPARED), "bornTimestamp": "0", "flag": "0",
+            "properties": "TRAN_MSG\x01true\x02PGROUP\x01PG_hung_tx\x02"}, b"half")
+        assert half.code == C.SUCCESS, half.remark       # the next snapshot (within 1 s) hangs
+        for _ in range(300):
+            stalled = await _gauge(broker, "txmq_store_io_stalled_seconds")
+            if stalled is not None and stalled > 10 and "I/O thread (flushes" in broker.log():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the stalled I/O thread was never said\n{broker.log()}")
+        assert "the store's I/O thread (flushes, checkpoints, the transaction snapshot) has not come through" \
+            in broker.log(), broker.log()
+        sigterm_ends(broker, "transactions/snapshot.json", within=45)
+        assert "stopping without closing the transactions" in broker.log(), broker.log()
     finally:
         release(fifo, broker)
