@@ -914,8 +914,8 @@ class BrokerServer:
                                        ("index", ctx.index, "close")):
                 await self._stop_part(name, part, method)
             # Then the config tables, at once: each its own file, each write bounded (2 s; the offsets' 30 s). One
-            # after the other, a config directory that hung took their sum (44 s) and the whole stop about 63 s,
-            # past systemd's and compose's 60 s before SIGKILL (ops/systemd/txmq.service, ops/compose.yml).
+            # after the other, a config directory that hung made the stop wait the sum of their bounds, near
+            # systemd's and compose's 60 s before SIGKILL (ops/systemd/txmq.service; bench_hung_config_stop.py).
             await asyncio.gather(*(self._stop_part(name, part, "close") for name, part in (
                 ("topics", ctx.topics), ("subscription groups", ctx.subscriptions), ("KV config", ctx.kv),
                 ("offsets", ctx.offsets))))
@@ -924,7 +924,6 @@ class BrokerServer:
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
-
 
     async def _stop_part(self, name: str, part, method: str) -> None:
         if part is None or getattr(part, method, None) is None:
@@ -939,7 +938,8 @@ class BrokerServer:
 
     async def _stop_behind_the_log(self, name: str, stop) -> None:
         """``stop()``, given up once a commit-log flush has been in flight past FLUSH_HUNG_S (at once if it already
-        has). The transactions' last snapshot (store.run_io: after the flushes queued before it) and the store's
+        has), or a no-op on the store's I/O thread has waited that long (a write there hangs: store.io_stalled_s).
+        The transactions' last snapshot (store.run_io: after the flushes queued before it) and the store's
         close (the writer drains its flushes) waited for an msync that never returned (a hung disk, a stopped NFS)
         for ever: the process never ended after SIGTERM, and what stops after them -- the topics, the groups, the
         consumer offsets -- was never saved (a supervisor's SIGKILL then lost every commit since the last periodic
@@ -955,7 +955,7 @@ class BrokerServer:
                 log.error("stopping without closing the %s: a commit-log flush (msync) or a write on the store's I/O "
                           "thread has not returned in %.0f s (a hung disk or a stopped network file system?); nothing "
                           "acknowledged is lost, the next start recovers the log as after a crash "
-                          "(txmq_store_flush_in_flight_seconds)", name, age)
+                          "(txmq_store_flush_in_flight_seconds, txmq_store_io_stalled_seconds)", name, age)
                 return
             done, _ = await asyncio.wait({stopping}, timeout=1.0)
             if done:
