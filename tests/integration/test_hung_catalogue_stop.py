@@ -170,3 +170,24 @@ async def test_sigterm_behind_a_hung_transaction_snapshot_write_ends_and_saves_o
         release(fifo, broker)
     os.unlink(fifo)
     await _restarted_holds(store, 3)
+
+
+@bounded(120)
+async def test_sigterm_behind_a_hung_index_progress_write_ends_and_saves_offsets(tmp_path):
+    """The message index's last progress save (index/progress, after an msync of its last file, on the index's own
+    thread) is on the store's disk too: behind a stopped NFS it hangs with the commit log's flush. The stop gave
+    up the transactions and the store, then waited for the index's close without a bound, so SIGTERM never ended
+    the process and the consumer offsets, closed after it, were never saved. Here its progress .tmp is a FIFO no
+    one reads (the index alone hung): the stop must still end, the offsets saved, the index rebuilt from the log."""
+    store = tmp_path / "store"
+    fifo = store / "index" / "progress.tmp"
+    broker = BrokerProcess(store).start()
+    try:
+        await _acknowledged_then_committed(broker, 3)
+        os.mkfifo(fifo)
+        sigterm_ends(broker, "index/progress", within=45)
+        assert "stopping without closing the index" in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+    os.unlink(fifo)
+    await _restarted_holds(store, 3)
