@@ -54,7 +54,7 @@ from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store.index import IndexService
-from .store.saved import daemon_default_executor
+from .store.saved import daemon_default_executor, retrieved
 from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
@@ -101,6 +101,7 @@ class BrokerServer:
         self._gauges: dict = {}         # immutable snapshot the metrics thread reads; replaced, never changed
         self._lag_totals: tuple | None = None   # (lag, removed unread) rows, summed in slices (see _gauge_loop)
         self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
+        self._io_hung = False       # the store's I/O thread has held a no-op past FLUSH_HUNG_S (_io_stalled)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -444,13 +445,18 @@ class BrokerServer:
         m.add_gauge_collector("txmq_config_write_hung", "1 while a write of this config file has run past 2 s "
                               "without ending (a hung disk or a stopped network file system): its updates are "
                               "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends "
-                              "(queueLocks.json: locks granted meanwhile are not saved).",
+                              "(queueLocks.json: locks granted meanwhile are not saved; delayOffset.json: no "
+                              "scheduler snapshot is written until it ends).",
                               ["file"], lambda: [((os.path.basename(t.path),), 1 if t.write_hung else 0)
-                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file)
+                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file, ctx.schedule)
                                                  if t is not None])
         m.add_gauge_collector("txmq_store_flush_in_flight_seconds", "How long the oldest commit-log flush (msync) in "
                               "flight has run, 0 with none: one that does not return (a hung disk, a stopped "
                               "network file system) holds every SYNC_FLUSH send unanswered.", [], snap("flush_age"))
+        m.add_gauge_collector("txmq_store_io_stalled_seconds", "How long a no-op queued on the store's I/O thread "
+                              "(flushes, checkpoints, the transaction snapshot, in order) has waited, 0 once it "
+                              "came through: a write that hangs there holds every flush queued behind it.", [],
+                              snap("io_stalled"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "
@@ -539,6 +545,7 @@ class BrokerServer:
             "topics": [((), len(ctx.topics.topics))],
             "damaged": [((), len(ctx.store.damaged_queues()))],
             "flush_age": [((), self._flush_age())],
+            "io_stalled": [((), self._io_stalled())],
             # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
             # never following its master's, so what they count as waiting, and for how long, only grows)
             "schedule": [] if ha_roles.is_slave(self.config) else
@@ -569,6 +576,21 @@ class BrokerServer:
             self._flush_hung = False
             log.warning("commit-log flushes return again")
         return age
+
+    def _io_stalled(self) -> float:
+        """How long a no-op has waited on the store's I/O thread (store.io_stalled_s: the gauge), said as
+        ``_flush_age`` says a flush. A transaction snapshot write that hung there (each later flush queued behind
+        it, every sync send unanswered once one came) showed on no gauge while no flush was in flight."""
+        stalled = self.ctx.store.io_stalled_s()
+        if stalled > FLUSH_HUNG_S and not self._io_hung:
+            self._io_hung = True
+            log.error("the store's I/O thread (flushes, checkpoints, the transaction snapshot) has not come through "
+                      "in %.0f s (a hung disk or a stopped network file system?): flushes queued behind it do not "
+                      "start, nothing written after it is acknowledged (txmq_store_io_stalled_seconds)", stalled)
+        elif stalled == 0.0 and self._io_hung:
+            self._io_hung = False
+            log.warning("the store's I/O thread comes through again")
+        return stalled
 
     async def _gauge_loop(self) -> None:
         while True:
@@ -916,21 +938,71 @@ class BrokerServer:
             # is derived from the log or replayed from it, and the store must always be closed.
             for name, part, method in (("retention", ctx.retention, "stop"), ("scheduler", ctx.schedule, "stop"),
                                        ("transactions", ctx.tx, "stop"), ("store", ctx.store, "close"),
-                                       ("index", ctx.index, "close"), ("topics", ctx.topics, "close"),
-                                       ("subscription groups", ctx.subscriptions, "close"),
-                                       ("KV config", ctx.kv, "close"),
-                                       ("offsets", ctx.offsets, "close")):
-                if part is None or getattr(part, method, None) is None:
-                    continue
-                try:
-                    await _maybe_await(getattr(part, method))
-                except Exception:  # noqa: BLE001 - see above
-                    log.exception("stopping the %s failed; going on with the rest", name)
+                                       ("index", ctx.index, "close")):
+                await self._stop_part(name, part, method)
+            # Then the config tables, at once: each its own file, each write bounded (2 s; the offsets' 30 s). One
+            # after the other, a config directory that hung made the stop wait the sum of their bounds, near
+            # systemd's and compose's 60 s before SIGKILL (ops/systemd/txmq.service; bench_hung_config_stop.py).
+            await asyncio.gather(*(self._stop_part(name, part, "close") for name, part in (
+                ("topics", ctx.topics), ("subscription groups", ctx.subscriptions), ("KV config", ctx.kv),
+                ("offsets", ctx.offsets))))
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
         if self.addresses:      # a start that failed has said so in its one line already
             log.info("stopped")
+
+    async def _stop_part(self, name: str, part, method: str) -> None:
+        if part is None or getattr(part, method, None) is None:
+            return
+        try:
+            if name in _BEHIND_THE_LOG:
+                await self._stop_behind_the_log(name, getattr(part, method))
+            else:
+                await _maybe_await(getattr(part, method))
+        except Exception:  # noqa: BLE001 - see stop
+            log.exception("stopping the %s failed; going on with the rest", name)
+
+    async def _stop_behind_the_log(self, name: str, stop) -> None:
+        """``stop()``, given up once a commit-log flush has been in flight past FLUSH_HUNG_S (at once if it already
+        has), or a no-op on the store's I/O thread has waited that long (a write there hangs: store.io_stalled_s).
+        The transactions' last snapshot (store.run_io: after the flushes queued before it) and the store's
+        close (the writer drains its flushes) waited for an msync that never returned (a hung disk, a stopped NFS)
+        for ever: the process never ended after SIGTERM, and what stops after them -- the topics, the groups, the
+        consumer offsets -- was never saved (a supervisor's SIGKILL then lost every commit since the last periodic
+        save). Given up, the log is left as a kill -9 leaves it: nothing acknowledged is lost (a sync send is
+        acknowledged once flushed; an async one's bytes are in the page cache, which outlives the process), and the
+        next start recovers it from the checkpoint as after a crash; a send the flush holds was never answered."""
+        stopping = asyncio.ensure_future(_maybe_await(stop))
+        store = self.ctx.store
+        started = time.monotonic()
+        while True:
+            age = max(store.flush_age_s(), store.io_stalled_s()) if store is not None else 0.0
+            own = time.monotonic() - started if name in _OWN_BOUND else 0.0
+            if own > FLUSH_HUNG_S and age <= FLUSH_HUNG_S:
+                stopping.add_done_callback(retrieved)
+                log.error("stopping without closing the %s: its last save (on its own thread, on the store's disk) has "
+                          "not returned in %.0f s (a hung disk or a stopped network file system?); the next start "
+                          "catches up from the commit log", name, own)
+                return
+            if age > FLUSH_HUNG_S:
+                stopping.add_done_callback(retrieved)
+                log.error("stopping without closing the %s: a commit-log flush (msync) or a write on the store's I/O "
+                          "thread has not returned in %.0f s (a hung disk or a stopped network file system?); nothing "
+                          "acknowledged is lost, the next start recovers the log as after a crash "
+                          "(txmq_store_flush_in_flight_seconds, txmq_store_io_stalled_seconds)", name, age)
+                return
+            done, _ = await asyncio.wait({stopping}, timeout=1.0)
+            if done:
+                return stopping.result()
+
+
+# The parts of a stop that wait for the commit log's flushes (server.stop: _stop_behind_the_log)
+# The index too: its last progress save (an msync of its last file, index/progress) is on the store's disk, which
+# a stopped NFS hangs with the commit log's flush -- given up at once then -- and bounded by itself (FLUSH_HUNG_S,
+# _OWN_BOUND) when only it hangs. Waited for without a bound, the stop never ended, the offsets never saved.
+_BEHIND_THE_LOG = frozenset(("transactions", "store", "index"))
+_OWN_BOUND = frozenset(("index",))
 
 
 def _error_code(exc: BaseException) -> int:

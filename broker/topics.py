@@ -26,6 +26,7 @@ a delayed retry delivered after a restart makes its topic again charged to its m
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -268,6 +269,24 @@ class TopicManager:
             self._loop.call_later(0.1, self._write_batch)
 
     async def saved(self) -> None:
+        """``_saved_all``, bounded: OSError (ETIMEDOUT) once a write has run ``write_wait_s`` without ending, at
+        once while one hangs (``write_hung``). For the operators' codes and a slave's sync: behind a write that
+        hung (a stopped NFS) an UPDATE_AND_CREATE_TOPIC or DELETE_TOPIC_IN_BROKER was never answered, and every
+        later one waited on the same write, each held with its connection; a slave's topic sync stopped for good,
+        said by nothing. They are answered SYSTEM_ERROR "not saved" instead (as the groups' and offsets' codes), the
+        change kept in memory and written with the next write that ends."""
+        if self.write_hung:
+            raise self._hung_error()
+        try:
+            await self._saved_within()
+        except TimeoutError:
+            raise self._hung_error() from None
+
+    def _hung_error(self) -> OSError:
+        return OSError(errno.ETIMEDOUT, f"a write of {self.path} has not ended in {self.write_wait_s:g} s (a hung "
+                                        "disk or a stopped network file system?)")
+
+    async def _saved_all(self) -> None:
         """Return once every change made so far is in the catalogue on disk (written now, on the config thread,
         unless a write since did it); OSError when it cannot be. For the operators' codes: UPDATE_AND_CREATE_TOPIC
         and DELETE_TOPIC_IN_BROKER answered SUCCESS while the batched write was still up to 100 ms away, and a
@@ -313,9 +332,9 @@ class TopicManager:
         return gate
 
     async def _saved_within(self) -> None:
-        """``saved``, given up (TimeoutError) after ``write_wait_s``: the write goes on, the sends waiting for it
+        """``_saved_all``, given up (TimeoutError) after ``write_wait_s``: the write goes on, the sends waiting for it
         do not (``_topic_saved``), nor do those to topics made while it hangs (``made_durable``)."""
-        saving = asyncio.ensure_future(self.saved())
+        saving = asyncio.ensure_future(self._saved_all())
         saving.add_done_callback(retrieved)
         try:
             await asyncio.wait_for(asyncio.shield(saving), self.write_wait_s)

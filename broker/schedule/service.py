@@ -69,6 +69,7 @@ class ScheduleService:
         self._snap_task: asyncio.Task | None = None
         self._progress_end = 0          # commit-log end of the last progress record applied
         self._snapshot_key = None
+        self.write_hung = False         # a delayOffset.json write has run past STOP_WRITE_WAIT_S, not ended yet
         self._drops: dict[str, int] = {}    # reason -> entries the batch being gathered passes over
         self._removed: list[tuple[str, int]] = []   # (which, how many): waiting ones it moves past, removed
         self._timers_min_seen = 0       # timer queue offsets below it that retention removed are accounted for
@@ -263,7 +264,11 @@ class ScheduleService:
         key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
         if key == self._snapshot_key:
             return False
-        await asyncio.to_thread(write_snapshot, self.config_dir, self._view())
+        loop = asyncio.get_running_loop()
+        write = loop.run_in_executor(None, write_snapshot, self.config_dir, self._view())
+        timer = loop.call_later(STOP_WRITE_WAIT_S, self._write_hangs, write)
+        write.add_done_callback(lambda f: (timer.cancel(), self._write_ended(f)))
+        await write
         self._snapshot_key = key
         return True
 
@@ -272,6 +277,26 @@ class ScheduleService:
         p = self.progress
         return Progress(levels=dict(p.levels), timer_floor=p.timer_floor, timer_done=p.timer_done.copy(),
                         progress_offset=p.progress_offset)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.config_dir, SNAPSHOT_NAME)
+
+    def _write_hangs(self, write) -> None:
+        """A periodic write that hung (a stopped NFS) held the snapshot loop, said by nothing: no later snapshot
+        was written (a start replays the progress records after the last one, for as long as it hangs). Said at
+        ERROR and by txmq_config_write_hung{file="delayOffset.json"} until it ends."""
+        if not write.done() and not self.write_hung:
+            self.write_hung = True
+            log.error("%s: a write has not ended in %g s (a hung disk or a stopped network file system?): no "
+                      "snapshot is written until it does (a start replays the progress records after the last one)",
+                      self.path, STOP_WRITE_WAIT_S)
+
+    def _write_ended(self, write) -> None:
+        # (cancelled: the loop's end, the write still under way on its thread -- no end to say)
+        if self.write_hung and not write.cancelled():
+            self.write_hung = False
+            log.warning("%s: the write that hung has ended", self.path)
 
     async def _snapshots(self) -> None:
         failing = False

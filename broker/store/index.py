@@ -173,12 +173,20 @@ class IndexService:
             return
         done = self._submit(self._shutdown)
         self._stopping = True
+        given_up = False
         try:
             await done
+        except asyncio.CancelledError:
+            # Given up by a stop behind a save that hangs (server._stop_behind_the_log): joining the thread stuck in
+            # it blocked the loop's end for ever. A daemon: the process ends with it, as after a kill -9 (the next
+            # start catches up from the commit log).
+            given_up = True
+            raise
         finally:
             self._q.put(None)
-            await self._loop.run_in_executor(None, self._thread.join)
-            self._thread = None
+            if not given_up:
+                await self._loop.run_in_executor(None, self._thread.join)
+                self._thread = None
 
     def _submit(self, fn, *args) -> asyncio.Future:
         fut = self._loop.create_future()

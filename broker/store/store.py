@@ -87,6 +87,7 @@ class MessageStore:
         # its records below it, which would bring a deleted topic back with its old messages.
         self._deleted: dict[str, int] = {}
         self._io: IoThread | None = None                    # msync, checkpoint, unmap: in order
+        self._io_probe: tuple | None = None     # (a no-op's future on _io, when queued): io_stalled_s
         self._io2: IoThread | None = None                   # a second group commit's msync while one is in flight
         self._reserve_io: IoThread | None = None            # new segments, zeros ahead of the writer
         self._queue_io: IoThread | None = None              # new queues' first files (make_queue_file)
@@ -267,14 +268,13 @@ class MessageStore:
         if self._state != "open":
             return
         self._state = "closing"
-        await self._writer.close()
-        for task in (self._housekeeping, self._disk_task):
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        given_up = False
         try:
+            await self._writer.close()
+            for task in (self._housekeeping, self._disk_task):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             self._retry_backlogs()
             self._retry_marks()     # once more; one still refused is said: the next start will not rebuild it
             if self._marking:
@@ -291,14 +291,25 @@ class MessageStore:
                 await self.refresh_manifest(force=True)
             except OSError as exc:
                 log.error("final segment manifest not written: %s", exc)
+        except asyncio.CancelledError:
+            # Given up by a stop behind an I/O thread that hangs (server._stop_behind_the_log): joining it blocked the
+            # loop for ever, past the stop's "stopped", and unmapping files it may still flush is unsafe. Left as
+            # they are: the process ends with them, as a kill -9 would.
+            given_up = True
+            raise
         finally:        # whatever the last writes raised, the threads end and the files (and the lock) are released
-            self._io.stop()
-            if self._io2 is not None:
-                self._io2.stop()
-            self._reserve_io.stop()
-            self._queue_io.stop()
-            self._close_files()
-            self._state = "closed"
+            if not given_up:
+                self._release()
+
+    def _release(self) -> None:
+        """End the I/O threads (each after its queued jobs) and close the files and the lock."""
+        self._io.stop()
+        if self._io2 is not None:
+            self._io2.stop()
+        self._reserve_io.stop()
+        self._queue_io.stop()
+        self._close_files()
+        self._state = "closed"
 
     async def __aenter__(self) -> "MessageStore":
         await self.open()
@@ -1072,6 +1083,20 @@ class MessageStore:
         """How long the oldest commit-log flush in flight has run (0.0: none; Writer.flush_age_s)."""
         return self._writer.flush_age_s()
 
+    def io_stalled_s(self) -> float:
+        """How long a no-op has waited on the store's I/O thread behind the jobs queued before it (0.0 once it came
+        through, and then the next is queued). For a stop (server._stop_behind_the_log): it waited for ever behind a
+        write that hangs there with no flush in flight (the transactions' snapshot, store.run_io). Not the hot path:
+        called once a second, at most one no-op queued at a time."""
+        probe = self._io_probe
+        if probe is not None and not probe[0].done():
+            return time.monotonic() - probe[1]
+        if self._io is not None:
+            fut = self._io.submit(_no_op)
+            fut.add_done_callback(_retrieved)    # (a stopped thread fails it: nothing to say)
+            self._io_probe = (fut, time.monotonic())
+        return 0.0
+
     def damaged_queues(self) -> dict[tuple[str, int], int]:
         """(topic, queue id) -> queue offset of the zeroed unit a read met; rebuilt at the next start."""
         return {key: cq.damage for key, cq in self._cqs.items() if cq.damage is not None}
@@ -1483,3 +1508,12 @@ def _summarize(seg: Segment) -> None:
             first = last
         pos += size
     seg.first_ts, seg.last_ts, seg.written = first, last, pos
+
+
+def _no_op() -> None:
+    return None
+
+
+def _retrieved(fut) -> None:
+    if not fut.cancelled():
+        fut.exception()

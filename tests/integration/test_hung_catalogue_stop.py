@@ -8,12 +8,13 @@ import os
 
 import pytest
 
+from protocol.errors import RequestTimeoutError
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
-from tests.support.cluster_process import request
-from tests.support.hung_writes import release, sigterm_ends
+from tests.support.cluster_process import request, stored_count
+from tests.support.hung_writes import hung_flush_env, release, sigterm_ends
 
 pytestmark = pytest.mark.asyncio
 
@@ -101,3 +102,92 @@ async def test_sigterm_behind_a_hung_delay_offset_write_ends_the_process_and_sav
         assert broker.log().count("delayOffset.json not written at stop") == 1, broker.log()
     finally:
         release(fifo, broker)
+
+
+async def _acknowledged_then_committed(broker: BrokerProcess, sends: int) -> None:
+    for i in range(sends):
+        sent = await _send(broker, "HungFlush", "", b"m%d" % i)
+        assert sent.code == C.SUCCESS, sent.remark
+    commit = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": "CG_hung_flush", "topic": "HungFlush", "queueId": "0", "commitOffset": str(sends)})
+    assert commit.code == C.SUCCESS, commit.remark
+
+
+async def _restarted_holds(store, sends: int) -> None:
+    """Started again on ``store`` (the hang gone): every acknowledged send is there, and the commit saved at the
+    stop."""
+    offsets = json.loads((store / "config" / "consumerOffset.json").read_text())
+    assert offsets["offsetTable"]["HungFlush@CG_hung_flush"]["0"] == sends, offsets
+    again = BrokerProcess(store).start()
+    try:
+        assert await stored_count(again.broker, "HungFlush", 4) >= sends, again.log()
+        queried = await request(again.broker, R.QUERY_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_hung_flush", "topic": "HungFlush", "queueId": "0"})
+        assert queried.code == C.SUCCESS and queried.int_field("offset", -1) == sends, (queried.code, queried.remark)
+    finally:
+        again.kill()
+
+
+@bounded(120)
+async def test_sigterm_behind_a_hung_commit_log_flush_ends_saves_offsets_and_loses_nothing_acknowledged(tmp_path):
+    """A commit-log flush (msync) that never returns (a hung disk, a stopped NFS; here the hook's, on the store's
+    flush thread): the transactions' last snapshot (store.run_io, behind the flush) and the store's close (its
+    writer drains its flushes) waited for it for ever, so SIGTERM never ended the process and the consumer offsets,
+    closed after the store, were never saved. Now both are given up once the flush has hung FLUSH_HUNG_S (10 s),
+    ERROR, and the rest is saved; restarted, the store holds every acknowledged send."""
+    store, fifo = tmp_path / "store", tmp_path / "flush.fifo"
+    broker = BrokerProcess(store, env=hung_flush_env(fifo)).start()
+    try:
+        await _acknowledged_then_committed(broker, 5)
+        os.mkfifo(fifo)
+        with pytest.raises(RequestTimeoutError):    # its flush hangs: never answered (may be stored, or not)
+            await request(broker.broker, R.SEND_MESSAGE, {
+                "producerGroup": "PG_hung", "topic": "HungFlush", "queueId": "0", "sysFlag": "0",
+                "bornTimestamp": "0", "flag": "0", "properties": ""}, b"unanswered", timeout=3)
+        sigterm_ends(broker, "commit-log flush", within=45)
+        assert "stopping without closing the store: a commit-log flush" in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+    os.unlink(fifo)
+    await _restarted_holds(store, 5)
+
+
+@bounded(120)
+async def test_sigterm_behind_a_hung_transaction_snapshot_write_ends_and_saves_offsets(tmp_path):
+    """The transactions' snapshot is written on the store's I/O thread (store.run_io) at every stop: one whose
+    write hangs (transactions/snapshot.json.tmp a FIFO no one reads) kept the stop there for ever, with no flush in
+    flight for a flush's age to show, the store never closed, the offsets never saved. Given up past 10 s now."""
+    store = tmp_path / "store"
+    fifo = store / "transactions" / "snapshot.json.tmp"
+    broker = BrokerProcess(store).start()
+    try:
+        await _acknowledged_then_committed(broker, 3)
+        os.mkfifo(fifo)
+        sigterm_ends(broker, "transactions/snapshot.json", within=45)
+        assert "stopping without closing the transactions: a commit-log flush (msync) or a write on the store's " \
+               "I/O thread has not returned" in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+    os.unlink(fifo)
+    await _restarted_holds(store, 3)
+
+
+@bounded(120)
+async def test_sigterm_behind_a_hung_index_progress_write_ends_and_saves_offsets(tmp_path):
+    """The message index's last progress save (index/progress, after an msync of its last file, on the index's own
+    thread) is on the store's disk too: behind a stopped NFS it hangs with the commit log's flush. The stop gave
+    up the transactions and the store, then waited for the index's close without a bound, so SIGTERM never ended
+    the process and the consumer offsets, closed after it, were never saved. Here its progress .tmp is a FIFO no
+    one reads (the index alone hung): the stop must still end, the offsets saved, the index rebuilt from the log."""
+    store = tmp_path / "store"
+    fifo = store / "index" / "progress.tmp"
+    broker = BrokerProcess(store).start()
+    try:
+        await _acknowledged_then_committed(broker, 3)
+        os.mkfifo(fifo)
+        sigterm_ends(broker, "index/progress", within=45)
+        assert "stopping without closing the index" in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+    os.unlink(fifo)
+    await _restarted_holds(store, 3)

@@ -12,6 +12,7 @@ import pytest
 
 from protocol.codes import RequestCode as R
 from protocol.codes import ResponseCode as C
+from protocol.codes import SysFlag
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import NamesrvProcess, request
@@ -103,3 +104,88 @@ async def test_a_hung_kv_config_write_on_the_name_server_is_answered_and_its_sto
         assert "the write that hung has ended" not in namesrv.log(), namesrv.log()
     finally:
         release(fifo, namesrv)
+
+
+@bounded(90)
+async def test_a_hung_topics_write_answers_the_topic_admin_codes_not_saved_and_the_stop_ends(tmp_path):
+    """UPDATE_AND_CREATE_TOPIC and DELETE_TOPIC_IN_BROKER wait for topics.json (their SUCCESS means saved): behind
+    a write that hung they were never answered, each later one held on the same write with its connection, and a
+    stock mqadmin timed out saying nothing of why. Now the first is answered SYSTEM_ERROR "not saved" after 2 s,
+    the next at once, the topic kept in memory; txmq_topics_catalogue_write_hung says it; the stop still ends."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "topics.json.tmp"
+    create = {"topic": "HungAdmin", "readQueueNums": "4", "writeQueueNums": "4", "perm": "6"}
+    try:
+        os.mkfifo(fifo)
+        first = await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, create, timeout=15)
+        assert first.code == C.SYSTEM_ERROR and "not saved" in first.remark, (first.code, first.remark)
+        assert "has not ended in 2 s" in first.remark, first.remark
+        assert await _gauge(broker, "txmq_topics_catalogue_write_hung") == 1, broker.log()
+        again = await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {**create, "topic": "HungAdmin2"}, timeout=1)
+        assert again.code == C.SYSTEM_ERROR and "not saved" in again.remark, (again.code, again.remark)
+        route = await request(broker.broker, R.GET_ALL_TOPIC_CONFIG, {}, timeout=5)
+        assert b"HungAdmin2" in route.body_bytes(), route.body_bytes()[:500]     # kept, written with the next write
+        deleted = await request(broker.broker, R.DELETE_TOPIC_IN_BROKER, {"topic": "HungAdmin"}, timeout=5)
+        assert deleted.code == C.SYSTEM_ERROR and "deleted but not saved" in deleted.remark, deleted.remark
+        sigterm_ends(broker, "topics.json", within=45)
+    finally:
+        release(fifo, broker)
+
+
+@bounded(90)
+async def test_a_hung_periodic_delay_offset_write_is_said_and_gauged_until_the_stop(tmp_path):
+    """The scheduler's periodic delayOffset.json write (every 10 s once a delayed message moved its progress) that
+    hung held the snapshot loop with nothing said: no log, no gauge, no later snapshot written for as long as it
+    hung. Now an ERROR after 2 s and txmq_config_write_hung{file="delayOffset.json"} say it; the stop still ends."""
+    broker = BrokerProcess(tmp_path / "store").start()
+    fifo = tmp_path / "store" / "config" / "delayOffset.json.tmp"
+    gauge = 'txmq_config_write_hung{file="delayOffset.json"}'
+    try:
+        os.mkfifo(fifo)
+        sent = await request(broker.broker, R.SEND_MESSAGE, {
+            "producerGroup": "PG_hung", "topic": "HungDelayGauge", "defaultTopic": "TBW102",
+            "defaultTopicQueueNums": "4", "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0",
+            "properties": "DELAY\x011\x02"}, b"later")
+        assert sent.code == C.SUCCESS, sent.remark
+        assert f"{gauge} 0.0" in await _page(broker)
+        for _ in range(500):    # delivered after 1 s, the next periodic snapshot (within 10 s) hangs 2 s later
+            if f"{gauge} 1.0" in await _page(broker):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"{gauge} never read 1\n{broker.log()}")
+        assert "delayOffset.json: a write has not ended in 2 s" in broker.log(), broker.log()
+        sigterm_ends(broker, "delayOffset.json", within=45)
+        assert "the write that hung has ended" not in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+
+
+@bounded(120)
+async def test_a_hung_transaction_snapshot_write_is_gauged_and_said_with_no_flush_waiting(tmp_path):
+    """The periodic transaction snapshot is written on the store's I/O thread (store.run_io): one that hung there
+    held every later flush (each sync send unanswered once one came), and while none came no gauge moved and
+    nothing was said. txmq_store_io_stalled_seconds counts how long a no-op has waited there, ERROR past 10 s."""
+    store = tmp_path / "store"
+    broker = BrokerProcess(store, "--transaction-snapshot-interval-s", "1").start()
+    fifo = store / "transactions" / "snapshot.json.tmp"
+    try:
+        os.mkfifo(fifo)
+        half = await request(broker.broker, R.SEND_MESSAGE, {
+            "producerGroup": "PG_hung_tx", "topic": "TBW102", "queueId": "0",
+            "sysFlag": str(SysFlag.TRANSACTION_PREPARED), "bornTimestamp": "0", "flag": "0",
+            "properties": "TRAN_MSG\x01true\x02PGROUP\x01PG_hung_tx\x02"}, b"half")
+        assert half.code == C.SUCCESS, half.remark       # the next snapshot (within 1 s) hangs
+        for _ in range(300):
+            stalled = await _gauge(broker, "txmq_store_io_stalled_seconds")
+            if stalled is not None and stalled > 10 and "I/O thread (flushes" in broker.log():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the stalled I/O thread was never said\n{broker.log()}")
+        assert "the store's I/O thread (flushes, checkpoints, the transaction snapshot) has not come through" \
+            in broker.log(), broker.log()
+        sigterm_ends(broker, "transactions/snapshot.json", within=45)
+        assert "stopping without closing the transactions" in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)

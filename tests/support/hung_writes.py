@@ -21,6 +21,14 @@ def sigterm_ends(server, hung: str, within: float = 30.0) -> None:
     assert code == 0, server.log()
 
 
+def hung_flush_env(fifo, repo=None) -> dict:
+    """The ``env`` of a BrokerProcess (of ``repo``, this checkout by default) whose commit-log flushes hang while
+    ``fifo`` exists (made by the test, released with ``unblock``): hung_flush_hook/sitecustomize.py."""
+    from tests.support.broker_process import REPO
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hung_flush_hook")
+    return {"PYTHONPATH": os.pathsep.join((hook, str(repo or REPO))), "TXMQ_TEST_HUNG_FLUSH_FIFO": str(fifo)}
+
+
 def unblock(fifo) -> None:
     """A reader lets a writer still blocked in open() go on."""
     with contextlib.suppress(OSError):

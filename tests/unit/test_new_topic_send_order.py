@@ -273,7 +273,7 @@ async def test_sends_and_send_backs_to_new_topics_go_ahead_while_the_catalogue_w
         assert "%RETRY%CG_hung" in tm.topics and tm.write_hung
         release.set()       # the write ends: the next one holds every topic made meanwhile
         async with asyncio.timeout(10):
-            await tm.saved()
+            await tm._saved_all()     # (``saved`` answers at once while write_hung is still set)
         assert not tm.write_hung
         written = (tmp_path / "config" / "topics.json").read_text()
         assert all(f'"{name}"' in written for name in ("Hung", "MadeWhileHung", "%RETRY%CG_hung"))
@@ -302,7 +302,7 @@ async def test_a_hung_catalogue_write_is_seen_without_a_send_and_piles_up_no_wri
         assert tm._pool._work_queue.qsize() <= 1, f"{tm._pool._work_queue.qsize()} writes queued behind the hung one"
         release.set()
         async with asyncio.timeout(10):
-            await tm.saved()
+            await tm._saved_all()
         assert not tm.write_hung
         written = (tmp_path / "config" / "topics.json").read_text()
         assert all(f'"MadeByHeartbeat{i}"' in written for i in range(8))
