@@ -534,22 +534,42 @@ async def test_a_topic_on_tbw102s_route_follows_a_wiped_write_perm_at_the_next_r
         assert {q.broker_name for q in routes.cached_publish_queues("New") or ()} == {"b"}
 
 
-async def test_a_route_is_forgotten_only_once_no_name_server_has_known_it_for_forget_after_s(monkeypatch):
+class _NameServers:
+    """Name servers behind a fake connection pool: ``knows(addr)`` says whether the one at ``addr`` has topic T's
+    route (raising: it is down); every address asked is in ``asked``."""
+    ROUTE = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
+                         strict=True)
+
+    def __init__(self, knows=lambda addr: True):
+        self.knows, self.asked = knows, []
+
+    @classmethod
+    def known_by(cls, knows):
+        """A class whose instances ask ``knows`` (for tests that make their pool by calling it)."""
+        return lambda: cls(knows)
+
+    async def request(self, addr, cmd, timeout):
+        self.asked.append(addr)
+        return cmd.response(ResponseCode.SUCCESS, body=self.ROUTE) if self.knows(addr) else cmd.response(
+            ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
+
+
+@pytest.fixture
+def now(monkeypatch):
+    """The routes' monotonic clock, set by the test: ``now[0] = t``."""
+    from producer import routes as routes_mod
+    clock = [1000.0]
+    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: clock[0])
+    return clock
+
+
+async def test_a_route_is_forgotten_only_once_no_name_server_has_known_it_for_forget_after_s(now):
     """A cached route answered TOPIC_NOT_EXIST is kept (its only broker may be away, unregistered by a clean
     stop) for ``forget_after_s`` on end, then forgotten; the topic found meanwhile starts the wait afresh."""
-    from producer import routes as routes_mod
     from producer.routes import RouteCache
     from protocol.errors import TopicNotExistError
-    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
-                         strict=True)
     answers = []
-
-    class Pool:
-        async def request(self, addr, cmd, timeout):
-            return cmd.response(ResponseCode.SUCCESS, body=found) if answers.pop(0) else cmd.response(
-                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
-    now = [1000.0]
-    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    Pool = _NameServers.known_by(lambda addr: answers.pop(0))
 
     async def refresh(routes: RouteCache, known: bool, at: float):
         now[0], answers[:] = at, [known]
@@ -576,23 +596,14 @@ async def test_a_route_is_forgotten_only_once_no_name_server_has_known_it_for_fo
     assert "T" in never._routes                 # None: kept for good, as the Java client keeps it
 
 
-async def test_a_transaction_producer_keeps_the_route_of_a_broker_away_past_forget_after_s(monkeypatch):
+async def test_a_transaction_producer_keeps_the_route_of_a_broker_away_past_forget_after_s(now):
     """A transaction producer's heartbeats are what let a broker check its undecided transactions: a broker
     away (unregistered) past ``route_forget_after_s`` had its routes forgotten, so once back it got no heartbeat
     from the group and its half messages went unchecked until it dead-lettered them (a local transaction
     committed, its message never delivered). A TransactionProducer keeps its routes unless told otherwise."""
-    from producer import routes as routes_mod
     from producer.transaction import TransactionProducer
-    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
-                         strict=True)
     answers = []
-
-    class Pool:
-        async def request(self, addr, cmd, timeout):
-            return cmd.response(ResponseCode.SUCCESS, body=found) if answers.pop(0) else cmd.response(
-                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
-    now = [1000.0]
-    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
+    Pool = _NameServers.known_by(lambda addr: answers.pop(0))
     for kwargs, kept in (({}, True), ({"route_forget_after_s": 60.0}, False)):
         producer = TransactionProducer("127.0.0.1:9876", "PG_tx", object(), **kwargs)
         routes = producer.routes
@@ -606,26 +617,16 @@ async def test_a_transaction_producer_keeps_the_route_of_a_broker_away_past_forg
         await producer.pool.close()
 
 
-async def test_a_route_one_name_server_forgot_is_kept_while_another_knows_it(monkeypatch):
+async def test_a_route_one_name_server_forgot_is_kept_while_another_knows_it(now):
     """A lookup asks the name server that answered last and takes its TOPIC_NOT_EXIST as the answer. One that
     lost the topic's broker (its registrations cut off by a partition, or restarted and not yet registered to)
     made a producer stuck on it forget a live topic's route after ``route_forget_after_s``, though another name
     server knew it: its sends moved to TBW102's brokers or failed. Before forgetting, the others are asked."""
-    from producer import routes as routes_mod
     from producer.routes import RouteCache
-    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
-                         strict=True)
     knows = {"127.0.0.1:1": True, "127.0.0.1:2": True}
-    asked = []
-
-    class Pool:
-        async def request(self, addr, cmd, timeout):
-            asked.append(addr)
-            return cmd.response(ResponseCode.SUCCESS, body=found) if knows[addr] else cmd.response(
-                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic: T")
-    now = [1000.0]
-    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
-    routes = RouteCache(Pool(), list(knows), forget_after_s=3600)
+    pool = _NameServers(knows.__getitem__)
+    asked = pool.asked
+    routes = RouteCache(pool, list(knows), forget_after_s=3600)
     routes.namesrv_addrs.answered("127.0.0.1:1")       # stuck on the first
     await routes.route("T")
     knows["127.0.0.1:1"] = False                        # the first lost the broker; the second still has it
@@ -643,27 +644,21 @@ async def test_a_route_one_name_server_forgot_is_kept_while_another_knows_it(mon
     assert asked.count("127.0.0.1:2") == 1              # the others asked once, when the route is due to go
 
 
-async def test_routes_due_to_go_do_not_each_wait_out_a_name_server_that_is_down(monkeypatch):
+async def test_routes_due_to_go_do_not_each_wait_out_a_name_server_that_is_down(now):
     """The others asked before a route goes: one that is down cost each due route a timeout, one after the
     other in the refresh (40 deleted topics, a second name server down: 2 minutes of 3 s timeouts, every other
     route's refresh waiting). One that failed and has not answered since is not asked."""
-    from producer import routes as routes_mod
     from producer.routes import RouteCache
     from protocol.errors import RequestTimeoutError
-    found = encode_route(TopicRouteData([QueueData("b", 1, 1, 6)], [BrokerData("c", "b", {0: "127.0.0.1:9"})]),
-                         strict=True)
-    known, asked = [True], []
+    known = [True]
 
-    class Pool:
-        async def request(self, addr, cmd, timeout):
-            asked.append(addr)
-            if addr == "127.0.0.1:2":
-                raise RequestTimeoutError("down")
-            return cmd.response(ResponseCode.SUCCESS, body=found) if known[0] else cmd.response(
-                ResponseCode.TOPIC_NOT_EXIST, "No topic route info in name server for the topic")
-    now = [1000.0]
-    monkeypatch.setattr(routes_mod.time, "monotonic", lambda: now[0])
-    routes = RouteCache(Pool(), ["127.0.0.1:1", "127.0.0.1:2"], forget_after_s=60)
+    def knows(addr: str) -> bool:
+        if addr == "127.0.0.1:2":
+            raise RequestTimeoutError("down")
+        return known[0]
+    pool = _NameServers(knows)
+    asked = pool.asked
+    routes = RouteCache(pool, ["127.0.0.1:1", "127.0.0.1:2"], forget_after_s=60)
     routes.namesrv_addrs.answered("127.0.0.1:1")
     topics = [f"T{i}" for i in range(5)]
     for t in topics:
