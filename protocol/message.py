@@ -154,14 +154,27 @@ def _find_property(text: str, name: str) -> int:
     return i
 
 
+def value_span(text, key, sep) -> tuple[int, int] | None:
+    """Where in a properties string (str or bytes) the value ``key`` (a name and U+0001) names is, as
+    string_to_properties and Java's string2messageProperties read it: the LAST pair of that name with a value
+    (a later pair overwrites an earlier one, one with no value is none); None when there is none. ``sep``:
+    U+0002 of the same type as ``text``."""
+    i = text.rfind(key)
+    while i >= 0:
+        if i == 0 or text[i - 1:i] == sep:      # a name starts the text or follows U+0002
+            start = i + len(key)
+            end = text.find(sep, start)
+            end = len(text) if end < 0 else end
+            if end > start:
+                return start, end
+        i = text.rfind(key, 0, i + len(key) - 1)    # the one starting before i
+    return None
+
+
 def property_value(text: str, name: str) -> str | None:
-    """The value of ``name`` in a properties string, without parsing the rest (the first pair wins)."""
-    i = _find_property(text, name)
-    if i < 0:
-        return None
-    start = i + len(name) + 1
-    end = text.find("\x02", start)
-    return text[start:] if end < 0 else text[start:end]
+    """The value of ``name`` in a properties string as a consumer reads it, without parsing the rest."""
+    span = value_span(text, name + "\x01", "\x02")
+    return None if span is None else text[span[0]:span[1]]
 
 
 def drop_property(text: str, name: str) -> str:
@@ -892,14 +905,12 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
                 body, topic_part, pack_i16(n), props))
         sizes.append(total)
         bodies += body_len
-        i = props.find(_TAGS_KEY)        # property_value(text, "TAGS"): a name starts the text or follows \x02
-        while i > 0 and props[i - 1] != 2:
-            i = props.find(_TAGS_KEY, i + 1)
-        if i < 0:
+        # (as property_value: the pair every consumer reads, the last with a value; the first was filtered on)
+        span = value_span(props, _TAGS_KEY, b"\x02")
+        if span is None:
             tags.append(0)
         else:
-            j = props.find(b"\x02", i + 5)
-            value = props[i + 5:] if j < 0 else props[i + 5:j]
+            value = props[span[0]:span[1]]
             code = codes.get(value)
             if code is None:
                 code = java_string_hash(value.decode()) if value else 0

@@ -11,7 +11,7 @@ import pytest
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.message import decode_records
+from protocol.message import decode_records, encode_batch
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -34,13 +34,20 @@ async def _send(conn, tags: str, body: bytes) -> None:
     assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
 
 
-async def _pulled(conn, expression: str) -> list[str]:
+async def _send_batch(conn, topic: str, entries: list[tuple[int, bytes, str]]) -> None:
+    reply = await conn.request(RemotingCommand.request(RequestCode.SEND_BATCH_MESSAGE, {
+        "a": "PG_tags", "b": topic, "c": "TBW102", "d": 1, "e": 0, "f": 0, "g": int(time.time() * 1000),
+        "h": 0, "i": "", "j": 0, "m": "true"}, encode_batch(entries)), 5)
+    assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+
+async def _pulled(conn, expression: str, topic: str = TOPIC) -> list[str]:
     """The tags of the messages a stock lite pull consumer's pull (its expression in it) is given."""
     reply = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
-        "consumerGroup": "CG_tags", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 32,
+        "consumerGroup": "CG_tags", "topic": topic, "queueId": 0, "queueOffset": 0, "maxMsgNums": 32,
         "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": expression, "subVersion": 0,
         "expressionType": "TAG"}), 5)
-    if reply.code == ResponseCode.PULL_NOT_FOUND:
+    if reply.code in (ResponseCode.PULL_NOT_FOUND, ResponseCode.PULL_RETRY_IMMEDIATELY):   # (none matched)
         return []
     assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
     return [m.tags for m in decode_records(reply.body_bytes())]
@@ -63,3 +70,27 @@ async def test_a_tag_subscription_is_trimmed_as_java_trims_it_not_as_python_stri
     finally:
         conn.close()
 
+
+@bounded(60)
+async def test_a_batch_entry_naming_its_tag_twice_is_filtered_by_the_tag_its_consumers_read(broker_factory):
+    """A batch entry's TAGS was read for its consume-queue code as the FIRST pair of that name, where the message
+    itself is read (by every consumer, by Java's string2messageProperties, by this broker's own start-up rebuild
+    of its queues) as the LAST pair with a value: "TAGS=a, TAGS=b" was filtered as "a" and read as "b", so a
+    consumer of "b" never got it (and one of "a" dropped it as not its own), SEND_OK and nothing said (a slave's
+    copy of the queue, and a start-up's rebuild of it, read the last). Both of the batch encoder's paths (the
+    ASCII one and the other)."""
+    broker = broker_factory()
+    batches = {"TagTwiceAscii": [(0, b"two", "TAGS\x01a\x02KEYS\x01k\x02TAGS\x01b\x02"),
+                                 (0, b"empty-first", "TAGS\x01\x02TAGS\x01c\x02"),
+                                 (0, b"empty-last", "TAGS\x01d\x02TAGS\x01\x02")],
+               "TagTwiceWide": [(0, b"two", "TAGS\x01\u00e4\x02TAGS\x01b\x02"),
+                                (0, b"empty-first", "TAGS\x01\x02TAGS\x01c\x02"),
+                                (0, b"empty-last", "TAGS\x01d\x02TAGS\x01\x02")]}
+    expected = {"b": ["b"], "c": ["c"], "d": ["d"], "a || \u00e4": []}
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for topic, entries in batches.items():
+            await _send_batch(conn, topic, entries)
+            assert {e: await _pulled(conn, e, topic) for e in expected} == expected, topic
+    finally:
+        conn.close()
