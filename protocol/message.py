@@ -154,27 +154,28 @@ def _find_property(text: str, name: str) -> int:
     return i
 
 
-def value_span(text, key, sep) -> tuple[int, int] | None:
-    """Where in a properties string (str or bytes) the value ``key`` (a name and U+0001) names is, as
-    string_to_properties and Java's string2messageProperties read it: the LAST pair of that name with a value
-    (a later pair overwrites an earlier one, one with no value is none); None when there is none. ``sep``:
-    U+0002 of the same type as ``text``."""
-    i = text.rfind(key)
-    while i >= 0:
-        if i == 0 or text[i - 1:i] == sep:      # a name starts the text or follows U+0002
-            start = i + len(key)
-            end = text.find(sep, start)
-            end = len(text) if end < 0 else end
-            if end > start:
-                return start, end
-        i = text.rfind(key, 0, i + len(key) - 1)    # the one starting before i
-    return None
+def property_bytes(props, pair, sep=b"\x02"):
+    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
+    properties, or None: what string_to_properties(...).get(NAME) gives, as Java's string2messageProperties (a
+    later pair overwrites, one with no value is none), without building the dict. The separators are ASCII, so
+    splitting the bytes then decoding a value is decoding then splitting. A str too, with ``sep`` "\\x02"."""
+    end = len(props)
+    k = len(pair)
+    while True:
+        i = props.rfind(pair, 0, end)
+        if i < 0:
+            return None
+        j = props.find(sep, i + k)
+        if j < 0:
+            j = len(props)
+        if j > i + k:
+            return props[i + k:j]
+        end = i             # an empty value is no pair: an earlier one stands
 
 
 def property_value(text: str, name: str) -> str | None:
     """The value of ``name`` in a properties string as a consumer reads it, without parsing the rest."""
-    span = value_span(text, name + "\x01", "\x02")
-    return None if span is None else text[span[0]:span[1]]
+    return property_bytes("\x02" + text, f"\x02{name}\x01", "\x02")
 
 
 def drop_property(text: str, name: str) -> str:
@@ -818,6 +819,7 @@ def decode_batch(buf) -> list[tuple[int, bytes, str]]:
 _BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", Prop.START_DELIVER_TIME.encode() + b"\x01")
 _WAIT_KEY = b"WAIT\x01"
 _TAGS_KEY = b"TAGS\x01"
+_TAGS_PAIR = b"\x02" + _TAGS_KEY
 _tag_codes: dict[bytes, int] = {}
 
 
@@ -905,12 +907,18 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
                 body, topic_part, pack_i16(n), props))
         sizes.append(total)
         bodies += body_len
-        # (as property_value: the pair every consumer reads, the last with a value; the first was filtered on)
-        span = value_span(props, _TAGS_KEY, b"\x02")
-        if span is None:
+        # The pair every consumer reads, the last with a value (the first was filtered on): the last one found,
+        # when it is a whole pair with a value (but in a hand-built batch, always); else property_bytes finds it.
+        i = props.rfind(_TAGS_KEY)
+        value = None
+        if i >= 0:
+            j = props.find(b"\x02", i + 5)
+            value = props[i + 5:] if j < 0 else props[i + 5:j]
+            if not value or i > 0 and props[i - 1] != 2:
+                value = property_bytes(b"\x02" + props, _TAGS_PAIR)
+        if value is None:
             tags.append(0)
         else:
-            value = props[span[0]:span[1]]
             code = codes.get(value)
             if code is None:
                 code = java_string_hash(value.decode()) if value else 0
