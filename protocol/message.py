@@ -910,21 +910,22 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
         # The pair every consumer reads, the last with a value (the first was filtered on): the last one found,
         # when it is a whole pair with a value (but in a hand-built batch, always); else property_bytes finds it.
         i = props.rfind(_TAGS_KEY)
-        value = None
-        if i >= 0:
-            j = props.find(b"\x02", i + 5)
-            value = props[i + 5:] if j < 0 else props[i + 5:j]
-            if not value or i > 0 and props[i - 1] != 2:
-                value = property_bytes(b"\x02" + props, _TAGS_PAIR)
-        if value is None:
+        if i < 0:
             tags.append(0)
-        else:
-            code = codes.get(value)
-            if code is None:
-                code = java_string_hash(value.decode()) if value else 0
-                if len(codes) < 4096:
-                    codes[value] = code
-            tags.append(code)
+            continue
+        j = props.find(b"\x02", i + 5)
+        value = props[i + 5:] if j < 0 else props[i + 5:j]
+        if not value or i and props[i - 1] != 2:
+            value = property_bytes(b"\x02" + props, _TAGS_PAIR)
+            if value is None:
+                tags.append(0)
+                continue
+        code = codes.get(value)
+        if code is None:
+            code = java_string_hash(value.decode())
+            if len(codes) < 4096:
+                codes[value] = code
+        tags.append(code)
     out = bytearray().join(parts)
     if not sizes:
         return None
