@@ -221,13 +221,13 @@ def java_string_hash(text: str) -> int:
     return h - (1 << 32) if h & 0x80000000 else h
 
 
-_JAVA_TRIMMED = "".join(map(chr, range(0x21)))      # String.trim's: every char up to and including the space
+JAVA_TRIMMED = "".join(map(chr, range(0x21)))       # String.trim's: every char up to and including the space
 
 
 def java_trim(text: str) -> str:
     """Java's String.trim: the chars up to U+0020 taken off both ends, and only those. str.strip takes others
     (U+3000, U+00A0, U+2003, U+001C..U+001F, U+0085) and leaves some (U+0000..U+0008, U+000E..U+001B)."""
-    return text.strip(_JAVA_TRIMMED)
+    return text.strip(JAVA_TRIMMED)
 
 
 def _utf16_units(text: str):
