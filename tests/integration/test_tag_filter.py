@@ -94,3 +94,29 @@ async def test_a_batch_entry_naming_its_tag_twice_is_filtered_by_the_tag_its_con
             assert {e: await _pulled(conn, e, topic) for e in expected} == expected, topic
     finally:
         conn.close()
+
+
+@bounded(90)
+async def test_a_batch_entry_naming_its_tag_twice_is_filtered_alike_after_its_queue_is_rebuilt(broker_factory,
+                                                                                                tmp_path):
+    """The start-up rebuild of a queue from the commit log (its queue files lost) reads the tag the batch encoder
+    filtered on: the last pair with a value. Killed (-9), its queue files gone, restarted: the same pulls give
+    the same messages as before."""
+    import shutil
+    entries = [(0, b"two", "TAGS\x01a\x02KEYS\x01k\x02TAGS\x01b\x02"), (0, b"empty-last", "TAGS\x01d\x02TAGS\x01\x02")]
+    expected = {"b": ["b"], "d": ["d"], "a": []}
+    broker = broker_factory()
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        await _send_batch(conn, "TagTwiceRebuilt", entries)
+        assert {e: await _pulled(conn, e, "TagTwiceRebuilt") for e in expected} == expected
+    finally:
+        conn.close()
+    broker.kill()
+    shutil.rmtree(tmp_path / "store" / "consumequeue" / "TagTwiceRebuilt")
+    broker = broker_factory()
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        assert {e: await _pulled(conn, e, "TagTwiceRebuilt") for e in expected} == expected
+    finally:
+        conn.close()
