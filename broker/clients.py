@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from protocol.codes import LanguageCode, RequestCode
 from protocol.command import RemotingCommand
 from protocol.errors import HeaderError
-from protocol.message import MAX_CLIENT_ID_LENGTH, Prop, java_string_hash, text_encodes, validate_group
+from protocol.message import (JAVA_TRIMMED, MAX_CLIENT_ID_LENGTH, Prop, java_string_hash, text_encodes,
+                              validate_group)
 
 from .limits import EveryKey, count_down, peer_host
 from .sql92 import Selector, SelectorError, compile_cached
@@ -94,9 +95,18 @@ def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
         except SelectorError as exc:
             return Subscription(topic, expression, sub_version=sub_version, expression_type=expression_type,
                                 filter_error=str(exc))
-    if expression is None or expression.strip() in ("", "*"):
+    if expression is None or expression.strip(JAVA_TRIMMED) in ("", "*"):
         return Subscription(topic, "*", sub_version=sub_version, expression_type=expression_type)
-    tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
+    # Each tag as Java's trim leaves it (str.strip also took U+3000, U+00A0: a tag's own end, its hash another's).
+    # Inline, spaces first (every lite pull builds this): the control chars only when an end still has one.
+    tags = []
+    for tag in expression.split("||"):
+        tag = tag.strip(" ")
+        if tag and (tag[0] < " " or tag[-1] < " "):
+            tag = tag.strip(JAVA_TRIMMED)
+        if tag:
+            tags.append(tag)
+    tags = frozenset(tags)
     return Subscription(topic, expression, tags, frozenset(java_string_hash(t) for t in tags), sub_version,
                         expression_type)
 

@@ -28,7 +28,8 @@ from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
 from protocol.errors import (BrokerError, ConnectionClosedError, HeaderError, RequestTimeoutError, ResponseError,
                              TopicNotExistError, error_for_code)
-from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop, decode_records, inflate, properties_to_string
+from protocol.message import (MAX_INFLATED_BODY, MessageExt, Prop, decode_records, inflate, java_trim,
+                              properties_to_string)
 from protocol.route import NameServers, decode_route
 from protocol.signature import Credentials
 
@@ -85,7 +86,8 @@ class MessageSelector:
         """The tags a tag selector names; [] when it selects every message ("*") or is SQL92."""
         if not self.is_tag or self.expression in ("", "*"):
             return []
-        return [t.strip() for t in self.expression.split("||")]
+        # as FilterAPI.buildSubscriptionData: Java's trim (str.strip took U+3000 off "TagA\u3000"), no empty tags
+        return [tag for tag in map(java_trim, self.expression.split("||")) if tag]
 
     def subscription_data(self, topic: str, version: int) -> dict:
         """RocketMQ's SubscriptionData, as a heartbeat and CHECK_CLIENT_CONFIG carry it."""

@@ -154,14 +154,28 @@ def _find_property(text: str, name: str) -> int:
     return i
 
 
+def property_bytes(props, pair, sep=b"\x02"):
+    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
+    properties, or None: what string_to_properties(...).get(NAME) gives, as Java's string2messageProperties (a
+    later pair overwrites, one with no value is none), without building the dict. The separators are ASCII, so
+    splitting the bytes then decoding a value is decoding then splitting. A str too, with ``sep`` "\\x02"."""
+    end = len(props)
+    k = len(pair)
+    while True:
+        i = props.rfind(pair, 0, end)
+        if i < 0:
+            return None
+        j = props.find(sep, i + k)
+        if j < 0:
+            j = len(props)
+        if j > i + k:
+            return props[i + k:j]
+        end = i             # an empty value is no pair: an earlier one stands
+
+
 def property_value(text: str, name: str) -> str | None:
-    """The value of ``name`` in a properties string, without parsing the rest (the first pair wins)."""
-    i = _find_property(text, name)
-    if i < 0:
-        return None
-    start = i + len(name) + 1
-    end = text.find("\x02", start)
-    return text[start:] if end < 0 else text[start:end]
+    """The value of ``name`` in a properties string as a consumer reads it, without parsing the rest."""
+    return property_bytes("\x02" + text, f"\x02{name}\x01", "\x02")
 
 
 def drop_property(text: str, name: str) -> str:
@@ -205,6 +219,15 @@ def java_string_hash(text: str) -> int:
     for unit in _utf16_units(text):
         h = (31 * h + unit) & 0xFFFFFFFF
     return h - (1 << 32) if h & 0x80000000 else h
+
+
+JAVA_TRIMMED = "".join(map(chr, range(0x21)))       # String.trim's: every char up to and including the space
+
+
+def java_trim(text: str) -> str:
+    """Java's String.trim: the chars up to U+0020 taken off both ends, and only those. str.strip takes others
+    (U+3000, U+00A0, U+2003, U+001C..U+001F, U+0085) and leaves some (U+0000..U+0008, U+000E..U+001B)."""
+    return text.strip(JAVA_TRIMMED)
 
 
 def _utf16_units(text: str):
@@ -796,6 +819,7 @@ def decode_batch(buf) -> list[tuple[int, bytes, str]]:
 _BATCH_SLOW_MARKS = (b"DELAY\x01", b"TRAN_MSG\x01", b"TIMER_", Prop.START_DELIVER_TIME.encode() + b"\x01")
 _WAIT_KEY = b"WAIT\x01"
 _TAGS_KEY = b"TAGS\x01"
+_TAGS_PAIR = b"\x02" + _TAGS_KEY
 _tag_codes: dict[bytes, int] = {}
 
 
@@ -883,20 +907,25 @@ def encode_batch_records(buf, *, topic: bytes, queue_id: int, sys_flag: int, bor
                 body, topic_part, pack_i16(n), props))
         sizes.append(total)
         bodies += body_len
-        i = props.find(_TAGS_KEY)        # property_value(text, "TAGS"): a name starts the text or follows \x02
-        while i > 0 and props[i - 1] != 2:
-            i = props.find(_TAGS_KEY, i + 1)
+        # The pair every consumer reads, the last with a value (the first was filtered on): the last one found,
+        # when it is a whole pair with a value (but in a hand-built batch, always); else property_bytes finds it.
+        i = props.rfind(_TAGS_KEY)
         if i < 0:
             tags.append(0)
-        else:
-            j = props.find(b"\x02", i + 5)
-            value = props[i + 5:] if j < 0 else props[i + 5:j]
-            code = codes.get(value)
-            if code is None:
-                code = java_string_hash(value.decode()) if value else 0
-                if len(codes) < 4096:
-                    codes[value] = code
-            tags.append(code)
+            continue
+        j = props.find(b"\x02", i + 5)
+        value = props[i + 5:] if j < 0 else props[i + 5:j]
+        if not value or i and props[i - 1] != 2:
+            value = property_bytes(b"\x02" + props, _TAGS_PAIR)
+            if value is None:
+                tags.append(0)
+                continue
+        code = codes.get(value)
+        if code is None:
+            code = java_string_hash(value.decode())
+            if len(codes) < 4096:
+                codes[value] = code
+        tags.append(code)
     out = bytearray().join(parts)
     if not sizes:
         return None

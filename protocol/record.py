@@ -12,7 +12,7 @@ or host is copied or decoded. Positions are absolute in ``buf``.
                            optionally), TOPIC, where PROPERTIES lie            follow SYSFLAG's v6 bits)
     check_tail_fields      TOPIC a valid name, PROPERTIES free of NUL bytes    what read_index_fields found
     store_timestamp_at     STORETIMESTAMP                                      56, or 68 after an IPv6 born host
-    record_properties      PROPERTIES (then property_bytes finds one pair)     after BODY and TOPIC
+    record_properties      PROPERTIES (then message.property_bytes finds a pair)     after BODY and TOPIC
     body_crc_ok            BODYCRC against the body                            8, and the body after the hosts
     record_intact          body_crc_ok, TOPIC a valid name, no NUL in          as body_crc_ok, then the rest
                            PROPERTIES
@@ -109,24 +109,6 @@ def record_properties(buf):
     p += 4 + _I32.unpack_from(buf, p)[0]
     p += 1 + buf[p]
     return buf[p + 2:p + 2 + _I16.unpack_from(buf, p)[0]]
-
-
-def property_bytes(props: bytes, pair: bytes):
-    """The value of the last pair ``pair`` (U+0002 NAME U+0001) with a non-empty value in U+0002 + a record's
-    properties, or None: what string_to_properties(...).get(NAME) gives, without building the dict. The
-    separators are ASCII, so splitting the bytes then decoding a value is decoding then splitting."""
-    end = len(props)
-    k = len(pair)
-    while True:
-        i = props.rfind(pair, 0, end)
-        if i < 0:
-            return None
-        j = props.find(b"\x02", i + k)
-        if j < 0:
-            j = len(props)
-        if j > i + k:
-            return props[i + k:j]
-        end = i             # an empty value is no pair: an earlier one stands
 
 
 def body_crc_ok(buf, pos: int = 0, size: int | None = None) -> bool:

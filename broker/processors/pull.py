@@ -11,8 +11,8 @@ import struct
 import time
 
 from protocol.codes import Perm, PullSysFlag, ResponseCode
-from protocol.message import POS_PHYSICAL_OFFSET, validate_group
-from protocol.record import property_bytes, record_properties
+from protocol.message import POS_PHYSICAL_OFFSET, property_bytes, validate_group
+from protocol.record import record_properties
 from protocol.txlog import PROGRESS_GROUP
 
 from ..clients import build_subscription

@@ -41,8 +41,8 @@ import zlib
 from typing import Callable, Iterable, NamedTuple
 
 from protocol.errors import StoreError
-from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, string_to_properties
-from protocol.record import MESSAGE_MAGIC_BYTES, property_bytes
+from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, property_bytes, string_to_properties
+from protocol.record import MESSAGE_MAGIC_BYTES
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs

@@ -83,6 +83,19 @@ def test_tag_subscription_filters_by_java_hash():
     assert build_subscription("T", "*").tag_filter() is None
 
 
+@pytest.mark.parametrize("expression", [
+    "TagA", " TagA || TagB ", "TagA\u3000", "\u00a0B\u00a0", " \u0010B\u0010 ||", "\t\x00 C \x1f\n", " \x7f ",
+    "a ||  || \x01", "\x85x\x85", " \x1fy \x1f ", "z\u2003 || \x00", "\U0001F600 ",
+])
+def test_tag_subscription_tags_are_java_trimmed(expression):
+    """build_subscription's inline trim (spaces first, the control chars only when an end has one) gives each tag
+    as java_trim does (FilterAPI: split on "||", String.trim, no empty tag), and its code the Java hash of that."""
+    from protocol.message import java_trim
+    want = frozenset(t for t in map(java_trim, expression.split("||")) if t)
+    sub = build_subscription("T", expression)
+    assert (sub.tags, sub.codes) == (want, frozenset(map(java_string_hash, want)))
+
+
 def test_loop_histogram_exposes_what_prometheus_clients_histogram_does():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
     from broker.metrics import LoopHistogram

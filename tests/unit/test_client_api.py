@@ -59,3 +59,9 @@ def test_api_reference_names_every_public_name():
     text = (REPO / "docs" / "api.md").read_text()
     missing = [f"{m}.{n}" for m, n in PUBLIC if f"`{n}" not in text]
     assert not missing, missing
+
+
+def test_our_selector_names_the_tags_java_would():
+    """Our consumers' heartbeat tagsSet (and their own check of what a pull gave) trimmed the same way: an
+    empty tag ("a ||") is none, as FilterAPI skips it."""
+    assert consumer.MessageSelector.by_tag("TagA\u3000 || \u0010B ||").tags == ["TagA\u3000", "B"]
