@@ -961,3 +961,40 @@ async def test_a_hung_copy_of_a_java_masters_delay_progress_does_not_hold_the_sl
     finally:
         release.set()
         await sync.close()
+
+
+@bounded(10)
+async def test_a_hung_removal_of_a_java_masters_copy_does_not_hold_the_sync_under_a_txmq_master(tmp_path,
+                                                                                                monkeypatch):
+    """The copy's removal under a txmq master, on a config directory that hangs, is waited the same bound: the
+    sync goes on, and the removal is tried again only once the one under way has ended."""
+    import threading
+
+    import broker.ha.sync as sync_mod
+    from broker.schedule.progress import MASTER_COPY_NAME, drop_master_copy, write_master_copy
+
+    monkeypatch.setattr(sync_mod, "COPY_WRITE_WAIT_S", 0.2)
+    release, started = threading.Event(), []
+
+    def hung_drop(config_dir):
+        started.append(config_dir)
+        release.wait(20)
+        return drop_master_copy(config_dir)
+    monkeypatch.setattr(sync_mod, "drop_master_copy", hung_drop)
+    write_master_copy(str(tmp_path / "config"), {18: 3})
+    sync = _following("127.0.0.1:10911", ConsumerOffsets(str(tmp_path)))
+    sync.topics = sync.subscriptions = None
+    _java_or_txmq_master(sync, {"bootTimestamp": "1", "txmqTopics": "3"}, [], [])
+    try:
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert len(started) == 1 and sync.synced == 2
+        release.set()
+        for _ in range(100):
+            if not (tmp_path / "config" / MASTER_COPY_NAME).exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not (tmp_path / "config" / MASTER_COPY_NAME).exists()
+    finally:
+        release.set()
+        await sync.close()
