@@ -36,7 +36,7 @@ from protocol.txlog import PROGRESS_GROUP
 from ..schedule.progress import MASTER_COPY_NAME, decode_delay_offsets, drop_master_copy, write_master_copy
 from ..slices import in_slices, in_steps
 from ..store.mapped_file import fsync_dirs, make_dirs
-from ..store.saved import check, read_saved, save
+from ..store.saved import check, read_saved, retrieved, save
 from ..subscriptions import read_group_table
 from ..topics import read_topic_table
 
@@ -47,6 +47,7 @@ OFFSET_SLICE = 1024     # offsets committed in one turn of the loop (4,096 held 
 KEY_SLICE = 64          # topic@group entries decoded in one turn (each up to a topic's queue count of offsets)
 # Beside consumerOffset.json: the groups its master's answers named (a sorted JSON list), for a restarted slave.
 NAMED_GROUPS_FILE = "slaveMasterGroups.json"
+COPY_WRITE_WAIT_S = 2.0     # a write of the Java master's delay progress copy waited, then left (_copy_bounded)
 QUOTE_SLICE = 512       # pieces of the body (a key, then its queues' ids and offsets) quoted in one turn: even
 
 
@@ -96,6 +97,7 @@ class SlaveSync:
         self._config_dir = path and os.path.dirname(path)
         self._delay_copied: dict[int, int] | None = None    # as last written there
         self._delay_failing: str | None = None
+        self._copy_io: asyncio.Future | None = None     # the last write or removal of the copy (one at a time)
 
     def copy_age_s(self) -> float:
         """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
@@ -314,7 +316,7 @@ class SlaveSync:
                 raise ValueError(f"refused: code {resp.code} {resp.remark}")
             levels = decode_delay_offsets(resp.body_bytes())
             if levels != self._delay_copied:
-                await asyncio.to_thread(write_master_copy, self._config_dir, levels)
+                await self._copy_bounded(write_master_copy, self._config_dir, levels)
                 self._delay_copied = levels
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body, a full disk: said once, tried again
             why = (f"delay progress not copied from Java master {addr} ({exc or type(exc).__name__}): promoted, this "
@@ -335,8 +337,8 @@ class SlaveSync:
             self._copy_dropped = True
             return
         try:
-            removed = await asyncio.to_thread(drop_master_copy, self._config_dir)
-        except OSError as exc:
+            removed = await self._copy_bounded(drop_master_copy, self._config_dir)
+        except OSError as exc:      # (TimeoutError too: a removal that hangs)
             why = f"{MASTER_COPY_NAME} of a Java master not removed under txmq master {addr} ({exc}): promoted, " \
                   "this slave takes its levels and may skip delayed messages"
             if why != self._delay_failing:
@@ -348,6 +350,24 @@ class SlaveSync:
         if removed:
             log.warning("removed %s, a Java master's delay progress: master %s is a txmq broker (its progress is "
                         "in its log)", MASTER_COPY_NAME, addr)
+
+    async def _copy_bounded(self, fn, *args):
+        """``fn(*args)`` (a write or removal of MASTER_COPY_NAME) on a worker thread, waited COPY_WRITE_WAIT_S: one
+        that hung (a stopped NFS under the config directory) held the sync for ever, unsaid, the master's offsets,
+        groups, topics and log bounds never copied again. Past it, said at ERROR and left to end on its thread
+        (TimeoutError: the caller's failure, tried again next sync); no other is started while it is under way."""
+        if self._copy_io is not None and not self._copy_io.done():
+            raise TimeoutError(f"a write of {MASTER_COPY_NAME} that hung has not ended")
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._copy_io = fut
+        done, _ = await asyncio.wait({fut}, timeout=COPY_WRITE_WAIT_S)
+        if not done:
+            fut.add_done_callback(retrieved)
+            log.error("%s: a write has not ended in %g s (a hung disk or a stopped network file system?): the sync "
+                      "goes on without it, the copy written again once it ends",
+                      os.path.join(self._config_dir, MASTER_COPY_NAME), COPY_WRITE_WAIT_S)
+            raise TimeoutError(f"a write of {MASTER_COPY_NAME} has not ended in {COPY_WRITE_WAIT_S:g} s")
+        return fut.result()
 
     async def _master_restarted(self, addr: str) -> bool:
         """Whether the master's bootTimestamp is another than last answered (the missed times set to 0 then); asked

@@ -29,6 +29,7 @@ from protocol.record import store_timestamp_at
 
 from ..store import PutRequest
 from ..store.results import PutStatus
+from ..store.saved import retrieved
 from ..topics import HALF_TOPIC, RETRY_PREFIX
 from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
 from .progress import (MASTER_COPY_NAME, PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress,
@@ -194,10 +195,23 @@ class ScheduleService:
         """Once taken (capped by the log) and in delayOffset.json, the copy goes: kept, the next start took it
         again over this master's own progress, a level raised past the delayed messages sent here since (their
         offsets under the Java master's further one) and those never delivered. Not written, it stays (taken
-        again, capped by that start's log), said at ERROR."""
+        again, capped by that start's log), said at ERROR.
+
+        A write that hangs (a stopped NFS under config/) held the start for ever, never listening, nothing said:
+        waited STOP_WRITE_WAIT_S, then said (as a periodic one: ERROR, txmq_config_write_hung) and left to end on
+        its thread, the copy removed only after it."""
+        loop = asyncio.get_running_loop()
+        write = loop.run_in_executor(None, _write_then_drop, self.config_dir, self._view())
+        timer = loop.call_later(STOP_WRITE_WAIT_S, self._write_hangs, write)
+        write.add_done_callback(lambda f: (timer.cancel(), self._write_ended(f)))
+        done, _ = await asyncio.wait({write}, timeout=STOP_WRITE_WAIT_S + 0.1)
+        if not done:
+            write.add_done_callback(retrieved)
+            log.error("%s not removed yet: the write of %s before it has not ended; the start goes on (stopped "
+                      "first, the next start takes its levels again)", MASTER_COPY_NAME, SNAPSHOT_NAME)
+            return
         try:
-            await asyncio.to_thread(write_snapshot, self.config_dir, self._view())
-            await asyncio.to_thread(drop_master_copy, self.config_dir)
+            write.result()
         except OSError as exc:
             log.error("%s not removed (%s): until it is, each start takes its levels over this broker's own "
                       "progress, and may skip delayed messages sent here since", MASTER_COPY_NAME, exc)
@@ -679,3 +693,9 @@ def diverted_request(levels: DelayLevels, msg, topic: str, queue_id: int, prepar
         properties=properties_to_string(props).encode(), reconsume_times=msg.reconsume_times,
         prepared_offset=prepared_offset)
     return PutRequest(record, d.topic, d.queue_id, d.tags_code, sys_flag, d.delay_ms)
+
+
+def _write_then_drop(config_dir: str, view: Progress) -> None:
+    """Blocking: off the loop. delayOffset.json with a Java master's copied levels, then the copy removed."""
+    write_snapshot(config_dir, view)
+    drop_master_copy(config_dir)

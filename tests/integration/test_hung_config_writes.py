@@ -189,3 +189,28 @@ async def test_a_hung_transaction_snapshot_write_is_gauged_and_said_with_no_flus
         assert "stopping without closing the transactions" in broker.log(), broker.log()
     finally:
         release(fifo, broker)
+
+
+@bounded(90)
+async def test_a_promotions_hung_delay_offset_write_does_not_hold_the_start(tmp_path):
+    """A start as a master with a Java master's copied delay progress (slaveMasterDelayOffset.json: a slave
+    promoted) writes delayOffset.json with the copy's levels, then removes the copy. That write hanging (a stopped
+    NFS under config/) held the start for ever: no listener, no "listening" line, nothing said. Now it is waited
+    2 s, said at ERROR (the copy stays, taken again at the next start), and the broker serves; the stop ends."""
+    from broker.schedule.progress import MASTER_COPY_NAME, write_master_copy
+
+    config = tmp_path / "store" / "config"
+    write_master_copy(str(config), {18: 3})
+    fifo = config / "delayOffset.json.tmp"
+    os.mkfifo(fifo)
+    broker = BrokerProcess(tmp_path / "store")
+    try:
+        try:
+            broker.start(timeout=20)
+        except Exception as exc:  # noqa: BLE001 - the start that never listens
+            pytest.fail(f"the start never listened behind a hung delayOffset.json write: {exc}\n{broker.log()}")
+        assert "delayOffset.json" in broker.log() and "has not ended in 2 s" in broker.log(), broker.log()
+        assert (config / MASTER_COPY_NAME).exists()     # kept: its levels are not in delayOffset.json yet
+        sigterm_ends(broker, "delayOffset.json", within=45)
+    finally:
+        release(fifo, broker)

@@ -1,6 +1,7 @@
 """A slave copies its master's consumer offsets (broker/ha/sync.py); the GET_ALL_CONSUMER_OFFSET body both ways."""
 from __future__ import annotations
 
+import asyncio
 import json
 import types
 
@@ -917,3 +918,83 @@ async def test_a_txmq_master_is_not_asked_its_delay_progress_which_its_log_carri
         await sync.close()
     assert RequestCode.GET_BROKER_RUNTIME_INFO in asked and RequestCode.GET_ALL_DELAY_OFFSET not in asked
     assert not (tmp_path / "config").exists() or not list((tmp_path / "config").glob("slaveMaster*Delay*"))
+
+
+@bounded(10)
+async def test_a_hung_copy_of_a_java_masters_delay_progress_does_not_hold_the_slaves_sync(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """slaveMasterDelayOffset.json is written on the config directory: one write that hung (a stopped NFS) held the
+    sync for ever, unsaid -- the master's offsets, groups, topics and log bounds never copied again (a promotion then
+    redelivered from offsets as old as the hang). Waited a bound, said at ERROR, not started again while under way;
+    written once it has ended."""
+    import threading
+
+    import broker.ha.sync as sync_mod
+    from broker.schedule.progress import read_master_copy, write_master_copy
+
+    monkeypatch.setattr(sync_mod, "COPY_WRITE_WAIT_S", 0.2, raising=False)
+    release, started = threading.Event(), []
+
+    def hung_write(config_dir, levels):
+        started.append(levels)
+        release.wait(20)
+        write_master_copy(config_dir, levels)
+    monkeypatch.setattr(sync_mod, "write_master_copy", hung_write)
+    sync = _following("127.0.0.1:10911", ConsumerOffsets(str(tmp_path)))
+    sync.topics = sync.subscriptions = None
+    asked: list[int] = []
+    _java_or_txmq_master(sync, {"bootTimestamp": "1"}, [b'{"offsetTable":{1:4}}', b'{"offsetTable":{1:5}}',
+                                                        b'{"offsetTable":{1:6}}'], asked)
+    try:
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)    # still hung: the sync goes on, no second write
+        assert len(started) == 1 and sync.synced == 2
+        assert any(r.levelname == "ERROR" and "slaveMasterDelayOffset.json" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        release.set()
+        for _ in range(100):
+            if read_master_copy(str(tmp_path / "config")):
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert read_master_copy(str(tmp_path / "config")) == {1: 6}
+    finally:
+        release.set()
+        await sync.close()
+
+
+@bounded(10)
+async def test_a_hung_removal_of_a_java_masters_copy_does_not_hold_the_sync_under_a_txmq_master(tmp_path,
+                                                                                                monkeypatch):
+    """The copy's removal under a txmq master, on a config directory that hangs, is waited the same bound: the
+    sync goes on, and the removal is tried again only once the one under way has ended."""
+    import threading
+
+    import broker.ha.sync as sync_mod
+    from broker.schedule.progress import MASTER_COPY_NAME, drop_master_copy, write_master_copy
+
+    monkeypatch.setattr(sync_mod, "COPY_WRITE_WAIT_S", 0.2)
+    release, started = threading.Event(), []
+
+    def hung_drop(config_dir):
+        started.append(config_dir)
+        release.wait(20)
+        return drop_master_copy(config_dir)
+    monkeypatch.setattr(sync_mod, "drop_master_copy", hung_drop)
+    write_master_copy(str(tmp_path / "config"), {18: 3})
+    sync = _following("127.0.0.1:10911", ConsumerOffsets(str(tmp_path)))
+    sync.topics = sync.subscriptions = None
+    _java_or_txmq_master(sync, {"bootTimestamp": "1", "txmqTopics": "3"}, [], [])
+    try:
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert len(started) == 1 and sync.synced == 2
+        release.set()
+        for _ in range(100):
+            if not (tmp_path / "config" / MASTER_COPY_NAME).exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not (tmp_path / "config" / MASTER_COPY_NAME).exists()
+    finally:
+        release.set()
+        await sync.close()
