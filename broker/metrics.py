@@ -362,23 +362,31 @@ class BrokerMetrics:
         """forget_consumer_group of each, in one walk of the series (a slave forgets its master's deleted groups
         together: SlaveSync)."""
         self._forget_out(lambda labels: labels[1] in groups)
+        # labels (consumer group) alone: kept, a deleted group's count stayed in every scrape, and went on from it
+        # when a group of its name came again
+        self._forget_series((self.stale_subscriptions,), lambda labels: labels[0] in groups)
 
     def _forget_out(self, match) -> None:
-        for metric in (self.messages_out, self.bytes_out, self.pulls_moved_past):     # labels (topic, consumer group)
-            mid = id(metric)
-            marked = self._marks.get(mid)
-            for key in [k for k in self._children if k[0] == mid and k[1] != (OTHER, OTHER) and match(k[1])]:
-                del self._children[key]
-                self._made[mid] -= 1
-                metric.remove(*key[1])
-                if marked is not None:      # its last reading must not judge a series made again under the name
-                    marked[1].pop(key[1], None)
+        # labels (topic, consumer group)
+        self._forget_series((self.messages_out, self.bytes_out, self.pulls_moved_past), match)
         for pair in [p for p in self._pulled if match(p)]:
             del self._pulled[pair]
         gone = [p for p in self._got if match(p)]
         for pair in gone:
             del self._got[pair]
         self.get_windows.forget(gone)
+
+    def _forget_series(self, metrics, match) -> None:
+        """Remove the child() series of ``metrics`` whose labels ``match`` (never the OTHER one)."""
+        for metric in metrics:
+            mid = id(metric)
+            marked = self._marks.get(mid)
+            for key in [k for k in self._children if k[0] == mid and match(k[1]) and set(k[1]) != {OTHER}]:
+                del self._children[key]
+                self._made[mid] -= 1
+                metric.remove(*key[1])
+                if marked is not None:      # its last reading must not judge a series made again under the name
+                    marked[1].pop(key[1], None)
 
     def count_in(self, topic: str, messages: int, body_bytes: int) -> None:
         counts = self._in.get(topic)

@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
-from protocol.codes import RequestCode
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
 from tests.support.cluster_process import request
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, stepped_env
 
@@ -279,3 +281,41 @@ async def test_a_clock_stepped_days_ahead_expires_no_half_or_segment_before_its_
             await asyncio.sleep(0.1)
     assert time.monotonic() - stored >= RETAINED_S - 0.3, "expired by the step, not by its age"
     assert b.log().count("retention judges ages by the latter") == 1, b.log()[-3000:]
+
+
+def _kept_older(b, group: str) -> float | None:
+    """txmq_subscriptions_kept_older_total of ``group``, scraped (None: no series)."""
+    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "txmq_subscriptions_kept_older_total" and s.labels.get("consumer_group") == group:
+                return s.value
+    return None
+
+
+def _beat(group: str, expression: str, version: int) -> RemotingCommand:
+    return RemotingCommand.request(RequestCode.HEART_BEAT, body=json.dumps({
+        "clientID": "127.0.0.1@kept-older", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": group, "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                "topic": "TxKeptOlder", "subString": expression, "subVersion": version, "expressionType": "TAG",
+                "tagsSet": [expression], "codeSet": []}]}]}).encode())
+
+
+async def test_a_deleted_groups_kept_older_subscriptions_series_goes_with_its_other_series(broker_factory):
+    """DELETE_SUBSCRIPTIONGROUP drops the group's series (metrics.forget_consumer_group: a group gone kept them in
+    every scrape for good, and one made again under its name went on from the old counts). The per-group
+    txmq_subscriptions_kept_older_total, added beside them, was left out of that: kept after the group went."""
+    b = broker_factory()
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        for expression, version in (("A", 2_000_000), ("B", 1_000_000)):     # B's subVersion older: kept out
+            reply = await conn.request(_beat("CG_kept_older", expression, version), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+    finally:
+        conn.close()
+    assert await asyncio.to_thread(_kept_older, b, "CG_kept_older") == 1
+    reply = await request(b.broker, RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_kept_older"})
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+    assert await asyncio.to_thread(_kept_older, b, "CG_kept_older") is None
