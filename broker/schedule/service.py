@@ -71,6 +71,7 @@ class ScheduleService:
         self._progress_end = 0          # commit-log end of the last progress record applied
         self._snapshot_key = None
         self.write_hung = False         # a delayOffset.json write has run past STOP_WRITE_WAIT_S, not ended yet
+        self._writing: asyncio.Future | None = None     # the delayOffset.json write under way (one at a time)
         self._drops: dict[str, int] = {}    # reason -> entries the batch being gathered passes over
         self._removed: list[tuple[str, int]] = []   # (which, how many): waiting ones it moves past, removed
         self._timers_min_seen = 0       # timer queue offsets below it that retention removed are accounted for
@@ -162,7 +163,10 @@ class ScheduleService:
         self._recovered = True
         if ahead or rewrite:    # replace it now: once new progress records pass its offset, it would look valid
             try:
-                await self.snapshot()
+                await asyncio.wait_for(self.snapshot(), STOP_WRITE_WAIT_S)     # a hung one held the start for ever
+            except TimeoutError:
+                log.error("%s not rewritten yet: the write has not ended in %g s (a hung disk?); if it never does, "
+                          "remove the file before the next start", SNAPSHOT_NAME, STOP_WRITE_WAIT_S)
             except OSError as exc:
                 log.error("%s not rewritten (%s): remove it before the next start", SNAPSHOT_NAME, exc)
         if copied:
@@ -200,13 +204,13 @@ class ScheduleService:
         A write that hangs (a stopped NFS under config/) held the start for ever, never listening, nothing said:
         waited STOP_WRITE_WAIT_S, then said (as a periodic one: ERROR, txmq_config_write_hung) and left to end on
         its thread, the copy removed only after it."""
-        loop = asyncio.get_running_loop()
-        write = loop.run_in_executor(None, _write_then_drop, self.config_dir, self._view())
-        timer = loop.call_later(STOP_WRITE_WAIT_S, self._write_hangs, write)
-        write.add_done_callback(lambda f: (timer.cancel(), self._write_ended(f)))
+        if self.writing():
+            log.error("%s not removed: an earlier write of %s has not ended; the start goes on (the next start takes "
+                      "its levels again)", MASTER_COPY_NAME, SNAPSHOT_NAME)
+            return
+        write = self._write(_write_then_drop, self._view())
         done, _ = await asyncio.wait({write}, timeout=STOP_WRITE_WAIT_S + 0.1)
         if not done:
-            write.add_done_callback(retrieved)
             log.error("%s not removed yet: the write of %s before it has not ended; the start goes on (stopped "
                       "first, the next start takes its levels again)", MASTER_COPY_NAME, SNAPSHOT_NAME)
             return
@@ -255,6 +259,10 @@ class ScheduleService:
                     pass
                 except Exception:  # noqa: BLE001 - logged; stopping goes on
                     log.exception("schedule task failed")
+        if self.writing():
+            log.error("%s/%s not written at stop (progress is replayed from the log): an earlier write has not "
+                      "ended (a hung disk or a stopped network file system?)", self.config_dir, SNAPSHOT_NAME)
+            return
         try:
             # Bounded, as the other config/ writes at stop (topics, groups, KV, queue locks, offsets): a write that
             # hangs (a stopped NFS) kept the stop here for ever, the store and the offsets never closed or saved.
@@ -276,15 +284,28 @@ class ScheduleService:
         p = self.progress
         # Progress moves by progress records (progress_offset) or the floor's bounded steps (raise_floor)
         key = (p.progress_offset, p.timer_floor, len(p.timer_done), tuple(sorted(p.levels.items())))
-        if key == self._snapshot_key:
+        if key == self._snapshot_key or self.writing():
             return False
-        loop = asyncio.get_running_loop()
-        write = loop.run_in_executor(None, write_snapshot, self.config_dir, self._view())
-        timer = loop.call_later(STOP_WRITE_WAIT_S, self._write_hangs, write)
-        write.add_done_callback(lambda f: (timer.cancel(), self._write_ended(f)))
-        await write
+        # Shielded: a caller's bound (the stop's, the start's) gives the wait up, not the write, which stays the
+        # one under way until its thread returns
+        await asyncio.shield(self._write(write_snapshot, self._view()))
         self._snapshot_key = key
         return True
+
+    def writing(self) -> bool:
+        """A delayOffset.json write is under way (hung, maybe): no other starts beside it. A second thread on the
+        same .tmp (the stop's or the start's write behind a hung periodic one) could, once the hang cleared, leave
+        a file mixing the two, and the first write's end cleared the hung gauge while the second still hung."""
+        return self._writing is not None and not self._writing.done()
+
+    def _write(self, fn, view: Progress) -> asyncio.Future:
+        """Run ``fn(config_dir, view)`` on a worker thread, said at ERROR and gauged past STOP_WRITE_WAIT_S."""
+        loop = asyncio.get_running_loop()
+        write = self._writing = loop.run_in_executor(None, fn, self.config_dir, view)
+        timer = loop.call_later(STOP_WRITE_WAIT_S, self._write_hangs, write)
+        write.add_done_callback(lambda f: (timer.cancel(), self._write_ended(f)))
+        write.add_done_callback(retrieved)
+        return write
 
     def _view(self) -> Progress:
         """A copy of the progress for write_snapshot (on the loop; ``timer_done``'s bitmaps shared until changed)."""

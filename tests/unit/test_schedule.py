@@ -1,6 +1,7 @@
 """Delay levels, timer times and the scheduler, driven by a fake clock over a real store in a tmp dir."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -1158,3 +1159,31 @@ async def test_a_held_batch_says_a_new_reason_but_not_a_growing_batch(tmp_path, 
     said = [r.getMessage() for r in caplog.records if r.name == "txmq.schedule"]
     assert len(said) == 2 and "disk is full" in said[0] and "EROFS" in said[1], said
     await svc.ctx.store.close()
+
+
+@bounded()
+async def test_a_hung_delay_offset_write_is_not_joined_by_a_second_on_the_same_file(tmp_path, monkeypatch, caplog):
+    """A periodic delayOffset.json write that hung (a stopped NFS) was joined by the stop's own write of the same
+    file, a second thread on the same .tmp: once the hang cleared the two could leave a file mixing both, and the
+    first's end cleared the hung gauge while the second still hung. One write at a time; the stop says it wrote
+    nothing (the progress is replayed from the log)."""
+    import threading
+    from broker.schedule import service as service_mod
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    started, release = [], threading.Event()
+
+    def hangs(config_dir, view):
+        started.append(view)
+        release.wait(20)
+    monkeypatch.setattr(service_mod, "write_snapshot", hangs)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(svc.snapshot(), 0.2)     # (the periodic loop's write, hung)
+        with caplog.at_level(logging.ERROR, logger="txmq.schedule"):
+            await svc.stop()
+        assert len(started) == 1, "a second write of delayOffset.json started beside the hung one"
+        assert "not written at stop" in caplog.text and "an earlier write has not ended" in caplog.text
+    finally:
+        release.set()
+        await svc.ctx.store.close()
