@@ -670,10 +670,16 @@ class MessageStore:
                       "same: it is the master's damaged record kept in place (keep_corrupt_records), copied as it "
                       "is; lost, not served (a pull stops at it, as on the master)", phys, size)
             self._kept.add(phys)
-            # The file follows off the loop (the disk loop's next turn; no checkpoint passes the record before it
-            # is written). Written here, it held the loop on two fsyncs, and refused (a full disk) the OSError
-            # dropped the link: the master sent the record again, refused again, the slave copying nothing.
-            self._kept_unsaved = True
+            # Named before the record is in the log: its bytes outlive a kill -9 at once, and a start finding it
+            # below the checkpoint unnamed refused to start ("commit log damaged ... a valid record follows"). (Two
+            # fsyncs on the loop, once per record a master kept: rare.) Refused (a full disk), the copy goes on
+            # (the OSError dropped the link: the master sent the record again, refused again, the slave copying
+            # nothing); the disk loop writes it once there is room (txmq_store_corrupt_kept_unwritten meanwhile).
+            try:
+                write_corrupt_kept(self.store_dir, {o for o in self._kept if o >= self._log.min_offset})
+            except OSError as exc:
+                self._kept_unsaved = True
+                self._kept_written(exc)
             self._check_below = max(self._check_below, phys + size)
         self._refused_chunk = None
         if chunk.nul_end > self._nul_free_from:
