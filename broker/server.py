@@ -566,31 +566,33 @@ class BrokerServer:
     def _flush_age(self) -> float:
         """The oldest commit-log flush's age (the gauge), said once at ERROR past FLUSH_HUNG_S (every second, by
         the gauge loop) and once at WARNING when flushes return again."""
-        age = self.ctx.store.flush_age_s()
-        if age > FLUSH_HUNG_S and not self._flush_hung:
-            self._flush_hung = True
-            log.error("a commit-log flush (msync) has not returned in %.0f s (a hung disk or a stopped network file "
-                      "system?): sends in SYNC_FLUSH are not answered, nothing after it is acknowledged "
-                      "(txmq_store_flush_in_flight_seconds)", age)
-        elif age == 0.0 and self._flush_hung:
-            self._flush_hung = False
-            log.warning("commit-log flushes return again")
-        return age
+        return self._said_hung("_flush_hung", self.ctx.store.flush_age_s(),
+                               "a commit-log flush (msync) has not returned in %.0f s (a hung disk or a stopped "
+                               "network file system?): sends in SYNC_FLUSH are not answered, nothing after it is "
+                               "acknowledged (txmq_store_flush_in_flight_seconds)",
+                               "commit-log flushes return again")
 
     def _io_stalled(self) -> float:
         """How long a no-op has waited on the store's I/O thread (store.io_stalled_s: the gauge), said as
         ``_flush_age`` says a flush. A transaction snapshot write that hung there (each later flush queued behind
         it, every sync send unanswered once one came) showed on no gauge while no flush was in flight."""
-        stalled = self.ctx.store.io_stalled_s()
-        if stalled > FLUSH_HUNG_S and not self._io_hung:
-            self._io_hung = True
-            log.error("the store's I/O thread (flushes, checkpoints, the transaction snapshot) has not come through "
-                      "in %.0f s (a hung disk or a stopped network file system?): flushes queued behind it do not "
-                      "start, nothing written after it is acknowledged (txmq_store_io_stalled_seconds)", stalled)
-        elif stalled == 0.0 and self._io_hung:
-            self._io_hung = False
-            log.warning("the store's I/O thread comes through again")
-        return stalled
+        return self._said_hung("_io_hung", self.ctx.store.io_stalled_s(),
+                               "the store's I/O thread (flushes, checkpoints, the transaction snapshot) has not come "
+                               "through in %.0f s (a hung disk or a stopped network file system?): flushes queued "
+                               "behind it do not start, nothing written after it is acknowledged "
+                               "(txmq_store_io_stalled_seconds)",
+                               "the store's I/O thread comes through again")
+
+    def _said_hung(self, flag: str, age: float, hung: str, again: str) -> float:
+        """``age`` (s) of a store wait, said once at ERROR (``hung``) past FLUSH_HUNG_S and once at WARNING
+        (``again``) when it is 0 again; ``flag`` the attribute that remembers which was said last."""
+        if age > FLUSH_HUNG_S and not getattr(self, flag):
+            setattr(self, flag, True)
+            log.error(hung, age)
+        elif age == 0.0 and getattr(self, flag):
+            setattr(self, flag, False)
+            log.warning(again)
+        return age
 
     async def _gauge_loop(self) -> None:
         while True:

@@ -80,14 +80,19 @@ async def test_checks_keep_their_pace_when_the_wall_clock_steps(broker_factory, 
 
 
 
-def _oldest_half_age(b, group: str) -> float | None:
-    """txmq_half_message_oldest_age_seconds of ``group``, scraped (None: absent)."""
+def _scraped(b, name: str, label: str, value: str) -> float | None:
+    """The sample ``name`` whose ``label`` is ``value``, scraped over HTTP (None: no such series)."""
     text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "txmq_half_message_oldest_age_seconds" and s.labels.get("producer_group") == group:
+            if s.name == name and s.labels.get(label) == value:
                 return s.value
     return None
+
+
+def _oldest_half_age(b, group: str) -> float | None:
+    """txmq_half_message_oldest_age_seconds of ``group``, scraped (None: absent)."""
+    return _scraped(b, "txmq_half_message_oldest_age_seconds", "producer_group", group)
 
 
 @pytest.mark.parametrize("step", ["-1h", "+1h"], ids=["back", "forward"])
@@ -285,12 +290,7 @@ async def test_a_clock_stepped_days_ahead_expires_no_half_or_segment_before_its_
 
 def _kept_older(b, group: str) -> float | None:
     """txmq_subscriptions_kept_older_total of ``group``, scraped (None: no series)."""
-    text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "txmq_subscriptions_kept_older_total" and s.labels.get("consumer_group") == group:
-                return s.value
-    return None
+    return _scraped(b, "txmq_subscriptions_kept_older_total", "consumer_group", group)
 
 
 def _beat(group: str, expression: str, version: int) -> RemotingCommand:
