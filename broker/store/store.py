@@ -38,6 +38,7 @@ from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_c
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .recovery import recover
 from .replica import parse_chunk
+from .saved import retrieved
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
 
@@ -1099,7 +1100,7 @@ class MessageStore:
             return time.monotonic() - probe[1]
         if self._io is not None:
             fut = self._io.submit(_no_op)
-            fut.add_done_callback(_retrieved)    # (a stopped thread fails it: nothing to say)
+            fut.add_done_callback(retrieved)    # (a stopped thread fails it: nothing to say)
             self._io_probe = (fut, time.monotonic())
         return 0.0
 
@@ -1518,8 +1519,3 @@ def _summarize(seg: Segment) -> None:
 
 def _no_op() -> None:
     return None
-
-
-def _retrieved(fut) -> None:
-    if not fut.cancelled():
-        fut.exception()
