@@ -697,7 +697,23 @@ class PushConsumer:
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
-        return await self.client.max_offset(mq)
+        end = await self.client.max_offset(mq)
+        await self._anchor(mq, end)
+        return end
+
+    async def _anchor(self, mq: MessageQueue, offset: int) -> None:
+        """Store where a queue the group never committed starts (its end, consume_from "last") before its first
+        pull. Left to the commit loop, a consumer killed within its first offset_commit_interval_s stored nothing:
+        the next one was told no offset again and started at the end of that moment, passing over every message
+        sent since the first began, consumed or not (RocketMQ's consumer does the same). Once per such queue."""
+        try:
+            await self.offset_store.write(mq, offset)
+            await self.offset_store.flush()
+        except (BrokerError, OSError) as exc:     # the commit loop stores it on its next round
+            log.warning("push consumer %s: start offset %d of %s not stored (%s): until the next commit round, a "
+                        "crash passes over what is sent meanwhile", self.group, offset, mq, exc)
+            return
+        self._committed[mq] = self._known_stored[mq] = offset
 
     async def _resume_offset(self, mq: MessageQueue) -> int:
         """Where a loop (re)starts: the stored offset, or the progress this consumer still holds for ``mq`` when
