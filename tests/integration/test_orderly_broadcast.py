@@ -197,6 +197,42 @@ async def test_an_unknown_message_model_is_refused_at_once():
 
 
 @bounded(30)
+async def test_a_broadcasting_consumers_start_at_the_end_is_saved_before_its_first_message(broker, tmp_path):
+    """consume_from="last": a queue this consumer never read starts at its end, and that start was saved only at the
+    first flush of its offsets (offset_commit_interval_s): killed before it, the consumer started again at the end
+    of that moment and passed over everything sent meanwhile. The start is in the file before the first message."""
+    topic, group = "NewsFromNow", "CG_broadcast_last"
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def listener(msg):
+        got.put_nowait(msg)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name="late",
+                            offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
+                            offset_commit_interval_s=3600)
+    consumer.subscribe(topic)
+    async with Producer(broker.namesrv, "PG_broadcast_last") as producer:
+        await producer.send(topic, b"before")          # makes the topic: never this consumer's to read
+        await consumer.start()
+        try:
+            while True:     # probes sent before a queue's loop read its end are passed over, as they should be
+                await producer.send(topic, b"probe")
+                try:
+                    first = await asyncio.wait_for(got.get(), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+            saved = list((tmp_path / "offsets").glob(f"*@late/{group}/offsets.json"))    # no flush round yet
+            assert saved, "no start saved before the first message: killed now, it starts at the end again"
+            table = json.loads(saved[0].read_text())["offsetTable"]
+            (start,) = [v for k, v in table.items() if k.startswith(f"{topic}@") and k.endswith(f"@{first.queue_id}")]
+            assert start <= first.queue_offset, (start, first.queue_offset)
+        finally:
+            await consumer.shutdown()
+
+
+@bounded(30)
 async def test_a_group_set_to_refuse_broadcast_is_not_consumed_by_broadcast(broker):
     """consumeBroadcastEnable=false (UPDATE_AND_CREATE_SUBSCRIPTIONGROUP) refuses the pulls of the group's
     BROADCASTING consumers, as RocketMQ does; it was stored and shown by the admin tools, and changed nothing."""
