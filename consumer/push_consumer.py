@@ -705,7 +705,7 @@ class PushConsumer:
         """Store where a queue the group never committed starts (its end, consume_from "last") before its first
         pull. Left to the commit loop, a consumer killed within its first offset_commit_interval_s stored nothing:
         the next one was told no offset again and started at the end of that moment, passing over every message
-        sent since the first began, consumed or not (RocketMQ's consumer does the same). Once per such queue."""
+        sent since the first began, consumed or not (as RocketMQ's consumer still does). Once per such queue."""
         try:
             await self.offset_store.write(mq, offset)
             await self.offset_store.flush()
