@@ -277,6 +277,7 @@ class PushConsumer:
         """A connection to a broker closed: it may have restarted, and then it knows this consumer again only from
         a heartbeat. Waiting for the next rebalance (up to rebalance_interval_s) left the broker listing only the
         other consumers of the group meanwhile: they took this one's queues, and both consumed them."""
+        self.client.heard.discard(addr)     # its next answered commit there waits for a beat (_anchor)
         if self._stopping or not self.client.brokers_at(addr):     # a name server's: nothing to announce
             return
         self._beat_now = True
@@ -705,8 +706,15 @@ class PushConsumer:
         """Store where a queue the group never committed starts (its end, consume_from "last") before its first
         pull. Left to the commit loop, a consumer killed within its first offset_commit_interval_s stored nothing:
         the next one was told no offset again and started at the end of that moment, passing over every message
-        sent since the first began, consumed or not (as RocketMQ's consumer still does). Once per such queue."""
+        sent since the first began, consumed or not (as RocketMQ's consumer still does). Once per such queue.
+
+        Answered, on a connection that carried no heartbeat of the group (a broker the rebalance learnt of after
+        its loop's beat, a reconnect), the broker took it for an admin tool's move: a WARNING blaming one, and its
+        offsets file saved before the answer. That broker hears a heartbeat first."""
         try:
+            addr = None if self.broadcasting else await self.client.unheard(mq)
+            if addr is not None:
+                await self._heartbeat(only=[addr])
             await self.offset_store.write(mq, offset)
             await self.offset_store.flush()
         except (BrokerError, OSError) as exc:     # the commit loop stores it on its next round
