@@ -196,6 +196,14 @@ async def test_an_unknown_message_model_is_refused_at_once():
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")
 
 
+@pytest.mark.parametrize("where", ["timestamp", "CONSUME_FROM_FIRST_OFFSET", "LAST"])
+async def test_an_unknown_consume_from_is_refused_at_once(where):
+    """Anything but "first" was "last": a queue with no offset started at its end (its start stored as such),
+    while the heartbeat told the brokers CONSUME_FROM_FIRST_OFFSET; a timestamp start, asked for, never came."""
+    with pytest.raises(ValueError, match="first"):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, consume_from=where)
+
+
 @bounded(30)
 async def test_a_broadcasting_consumers_start_at_the_end_is_saved_before_its_first_message(broker, tmp_path):
     """consume_from="last": a queue this consumer never read starts at its end, and that start was saved only at the
