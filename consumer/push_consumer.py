@@ -96,6 +96,9 @@ class PushConsumer:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every call before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        if consume_from not in ("first", "last"):
+            # anything else was "last": started at the end and stored so (_anchor), the heartbeat saying FIRST
+            raise ValueError(f"consume_from={consume_from!r}: \"first\" or \"last\"")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
