@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -238,6 +239,41 @@ async def test_a_broadcasting_consumers_start_at_the_end_is_saved_before_its_fir
             assert start <= first.queue_offset, (start, first.queue_offset)
         finally:
             await consumer.shutdown()
+
+
+@bounded(30)
+async def test_a_start_that_cannot_be_saved_is_said_and_consuming_goes_on(broker, tmp_path, caplog):
+    """The start anchor's failure path: the offsets file cannot be written (a directory where its temporary file
+    goes). Each queue's start is said not stored, at WARNING, and the queue is consumed all the same (the commit
+    round tries again)."""
+    topic, group = "NewsUnsaved", "CG_broadcast_unsaved"
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def listener(msg):
+        got.put_nowait(msg)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name="unsaved",
+                            offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
+                            offset_commit_interval_s=3600)
+    consumer.offset_store.path.with_suffix(".tmp").mkdir(parents=True)
+    consumer.subscribe(topic)
+    async with Producer(broker.namesrv, "PG_broadcast_unsaved") as producer:
+        await producer.send(topic, b"before")          # makes the topic
+        with caplog.at_level(logging.WARNING, logger="txmq.consumer"):
+            await consumer.start()
+            try:
+                while True:     # probes sent before a queue's loop read its end are passed over
+                    await producer.send(topic, b"probe")
+                    try:
+                        await asyncio.wait_for(got.get(), 0.5)
+                        break
+                    except asyncio.TimeoutError:
+                        continue
+            finally:
+                await consumer.shutdown()
+    said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert said and all(group in line and "Is a directory" in line for line in said), said
 
 
 @bounded(30)
