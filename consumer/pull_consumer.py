@@ -150,6 +150,9 @@ class PullConsumer:
         self._route_brokers: dict[str, set[str]] = {}     # topic -> the brokers its last route named
         self._offline: dict[str, str] = {}      # broker forgotten (no route names it) -> its last address
         self.beat_unreached: list[str] = []     # the broker addresses the last heartbeat met no answer from
+        # broker addresses whose connection carried an answered heartbeat (a push consumer forgets one whose
+        # connection closes: the broker dropped what it knew of the consumer with it)
+        self.heard: set[str] = set()
         self.subscriptions: dict[str, "str | MessageSelector"] = {}
         self._sub_version = 0           # the last heartbeat's subVersion: each one's is later (heartbeat)
         self.on_ids_changed = None
@@ -359,15 +362,26 @@ class PullConsumer:
                                                                              body=body.encode()), self.timeout)
                 if resp.code != ResponseCode.SUCCESS:
                     raise error_for_code(resp.code, resp.remark)
+                self.heard.add(addr)
             except BrokerError as exc:      # a refusal is raised before a broker out of reach (start tells them apart)
                 if not isinstance(exc, ResponseError):
                     unreached.append(addr)
                 if failed is None or isinstance(exc, ResponseError) and not isinstance(failed, ResponseError):
                     failed = exc
-        # the brokers this beat did not reach, refused by another or not: a push consumer beats them again soon
-        self.beat_unreached = unreached
+        # the brokers this beat did not reach, refused by another or not: a push consumer beats them again soon.
+        # A beat of some (``only``) leaves what is known of the others: the push consumer's beat of one broker
+        # before an answered commit there made one still down look reached, and its retries stopped.
+        self.beat_unreached = unreached if only is None else [
+            *(a for a in self.beat_unreached if a not in only), *unreached]
         if failed is not None:
             raise failed
+
+    async def unheard(self, mq: MessageQueue) -> str | None:
+        """The address of ``mq``'s broker when the connection to it has carried no answered heartbeat of this
+        group (new, or a broker the last heartbeat did not know), else None. An answered UPDATE_CONSUMER_OFFSET
+        on such a connection is taken for an admin tool's move: said at WARNING, saved before its answer."""
+        addr = await self._broker_addr(mq)
+        return None if addr in self.heard else addr
 
     async def pull(self, mq: MessageQueue, offset: int, *, max_nums: int = 32,
                    expression: str | MessageSelector = "*", suspend_ms: int = 0,

@@ -96,6 +96,9 @@ class PushConsumer:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every call before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        if consume_from not in ("first", "last"):
+            # anything else was "last": started at the end and stored so (_anchor), the heartbeat saying FIRST
+            raise ValueError(f"consume_from={consume_from!r}: \"first\" or \"last\"")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
@@ -277,6 +280,7 @@ class PushConsumer:
         """A connection to a broker closed: it may have restarted, and then it knows this consumer again only from
         a heartbeat. Waiting for the next rebalance (up to rebalance_interval_s) left the broker listing only the
         other consumers of the group meanwhile: they took this one's queues, and both consumed them."""
+        self.client.heard.discard(addr)     # its next answered commit there waits for a beat (_anchor)
         if self._stopping or not self.client.brokers_at(addr):     # a name server's: nothing to announce
             return
         self._beat_now = True
@@ -697,7 +701,30 @@ class PushConsumer:
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
-        return await self.client.max_offset(mq)
+        end = await self.client.max_offset(mq)
+        await self._anchor(mq, end)
+        return end
+
+    async def _anchor(self, mq: MessageQueue, offset: int) -> None:
+        """Store where a queue the group never committed starts (its end, consume_from "last") before its first
+        pull. Left to the commit loop, a consumer killed within its first offset_commit_interval_s stored nothing:
+        the next one was told no offset again and started at the end of that moment, passing over every message
+        sent since the first began, consumed or not (as RocketMQ's consumer still does). Once per such queue.
+
+        Answered, on a connection that carried no heartbeat of the group (a broker the rebalance learnt of after
+        its loop's beat, a reconnect), the broker took it for an admin tool's move: a WARNING blaming one, and its
+        offsets file saved before the answer. That broker hears a heartbeat first."""
+        try:
+            addr = None if self.broadcasting else await self.client.unheard(mq)
+            if addr is not None:
+                await self._heartbeat(only=[addr])
+            await self.offset_store.write(mq, offset)
+            await self.offset_store.flush()
+        except (BrokerError, OSError) as exc:     # the commit loop stores it on its next round
+            log.warning("push consumer %s: start offset %d of %s not stored (%s): until the next commit round, a "
+                        "crash passes over what is sent meanwhile", self.group, offset, mq, exc)
+            return
+        self._committed[mq] = self._known_stored[mq] = offset
 
     async def _resume_offset(self, mq: MessageQueue) -> int:
         """Where a loop (re)starts: the stored offset, or the progress this consumer still holds for ``mq`` when

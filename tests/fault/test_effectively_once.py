@@ -36,12 +36,14 @@ import pytest
 
 from consumer import PullConsumer
 from producer import LocalTransactionState as S
-from producer import TransactionProducer
+from producer import Producer, TransactionProducer
 from protocol.codes import RequestCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
+from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
+from tests.support.cluster_process import create_topic
 from tests.support.delays import FAST
 from tests.support.offsets import queues_behind
 
@@ -380,3 +382,56 @@ async def test_orders_ship_exactly_once_across_broker_consumer_and_producer_cras
     assert sorted(stored) == sorted(committed), "the broker stored a committed order twice, or a wrong one"
     assert pending["dead_lettered"] == 0, "a transaction went to the dead-letter topic instead of being decided"
     assert stats.checks_after_crash > 0, "the restarted producer was to settle the crashed one's transactions"
+
+
+async def _ship_a_probe(producer: Producer, shop: ShippingConsumer, progress: asyncio.Event, name: str) -> str:
+    """Send probes until ``shop`` applies one (a consumer starting at a queue's end skips those sent before its
+    pull loop read the end); the body of the one applied."""
+    for n in range(200):
+        body = f"{name}-{n}"
+        await producer.send(TOPIC, body.encode())
+        try:
+            async with asyncio.timeout(0.5):    # one sent before the pull loop read the end never comes
+                while True:
+                    progress.clear()
+                    if body in shop.applied:
+                        return body
+                    await progress.wait()
+        except TimeoutError:
+            continue
+    raise AssertionError(f"{name}: no probe of 200 was applied")
+
+
+@bounded(120)
+async def test_a_consumer_killed_before_its_first_commit_loses_nothing_sent_after_it_began(broker_factory, tmp_path):
+    """consume_from="last": a queue the group never committed starts at its end. The consumer that read the end
+    committed nothing before its commit period (here 0.5 s; 5 s by default): killed within it, its successor was
+    told no offset again and started at the end of the day, passing over every message sent since the first one
+    began, consumed or not (RocketMQ's consumer does the same). Its start position is committed before its first
+    pull now: the successor goes on from there, and run_once hides what the first one had applied."""
+    b = broker_factory("--access-message-in-memory-max-ratio", "0")     # the queue's first message is "on disk":
+    await create_topic(b.broker, TOPIC, 1)                               # no offset is QUERY_NOT_FOUND, not 0
+    progress = asyncio.Event()
+    db, log = tmp_path / "shipments.db", tmp_path / "consumer.log"
+    async with Producer(b.namesrv, PGROUP) as producer:
+        for i in range(3):
+            await producer.send(TOPIC, f"before-{i}".encode())       # before the group: never its to consume
+        first = ShippingConsumer(b.namesrv, db, log, progress, "--from-last")
+        await first.start()
+        try:
+            await _ship_a_probe(producer, first, progress, "first")
+        finally:
+            await first.kill()          # at once: its commit round (0.5 s) has not come
+        sent_meanwhile = [f"meanwhile-{i}" for i in range(20)]
+        for body in sent_meanwhile:
+            await producer.send(TOPIC, body.encode())
+        second = ShippingConsumer(b.namesrv, db, log, progress, "--from-last")
+        await second.start()
+        try:
+            await _ship_a_probe(producer, second, progress, "second")     # consumed in order: all before it too
+        finally:
+            await second.stop()
+    lost = [body for body in sent_meanwhile if body not in second.applied]
+    assert not lost, f"{len(lost)} of {len(sent_meanwhile)} messages sent while no consumer ran never consumed"
+    shipped = [row[0] for row in sqlite3.connect(db).execute("SELECT order_id FROM shipments")]
+    assert len(shipped) == len(set(shipped)), "a message applied twice"

@@ -333,3 +333,32 @@ def _children_gone(children: dict[str, int]):
         except ProcessLookupError:
             continue
         yield pid
+
+
+@bounded(60)
+async def test_a_start_stored_on_a_broker_not_yet_beaten_is_a_consumers_commit_not_an_admin_move(cluster):
+    """consume_from="last" stores where a queue the group never committed starts, answered, before its first pull.
+    A broker the rebalance loop's last heartbeat did not know (one the topic just spread to: the route that names
+    it is fetched by the rebalance after the beat) saw that answered commit on a connection with no heartbeat and
+    no pull of the group: it took it for an admin tool's move, said so at WARNING ("no consumer of the group (an
+    admin tool ...)") and saved its offsets file before answering, each queue paced by the saver's rest."""
+    from consumer import ConsumeStatus, MessageQueue, PushConsumer
+    c = cluster.start("--access-message-in-memory-max-ratio", "0")     # no offset: QUERY_NOT_FOUND, not 0
+    topic, group = "Spreads", "CG_spreads"
+    await create_topic(c.brokers["broker-a"].broker, topic, 2)
+    await wait_for_route(c.namesrv.addr, topic, {"broker-a"})
+    consumer = PushConsumer(c.namesrv.addr, group, lambda m: ConsumeStatus.CONSUME_SUCCESS, consume_from="last",
+                            rebalance_interval_s=3600, offset_commit_interval_s=3600, suspend_ms=300)
+    consumer.subscribe(topic)
+    async with Producer(c.namesrv.addr, "PG_spreads") as producer, consumer:
+        await create_topic(c.brokers["broker-b"].broker, topic, 2)
+        await wait_for_route(c.namesrv.addr, topic, {"broker-a", "broker-b"})
+        for i in range(2):      # broker-b's queues hold a message "on disk": the group has no offset there
+            await producer.send(topic, b"before", queue=MessageQueue(topic, "broker-b", i))
+        await consumer.rebalance()      # the rebalance loop's step after a beat that knew broker-a alone
+        b_queues = {MessageQueue(topic, "broker-b", i) for i in range(2)}
+        assert b_queues <= consumer._owned
+        while not all(consumer._committed.get(q) == 1 for q in b_queues):      # the starts stored
+            await asyncio.sleep(0.05)
+    said = [line for line in c.brokers["broker-b"].log().splitlines() if "no consumer of the group" in line]
+    assert not said, f"the consumer's own start taken for an admin's move: {said}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -194,6 +195,85 @@ async def test_broadcasting_consumers_each_get_every_message_and_keep_their_own_
 async def test_an_unknown_message_model_is_refused_at_once():
     with pytest.raises(ValueError, match="BROADCASTING"):
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")
+
+
+@pytest.mark.parametrize("where", ["timestamp", "CONSUME_FROM_FIRST_OFFSET", "LAST"])
+async def test_an_unknown_consume_from_is_refused_at_once(where):
+    """Anything but "first" was "last": a queue with no offset started at its end (its start stored as such),
+    while the heartbeat told the brokers CONSUME_FROM_FIRST_OFFSET; a timestamp start, asked for, never came."""
+    with pytest.raises(ValueError, match="first"):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, consume_from=where)
+
+
+@bounded(30)
+async def test_a_broadcasting_consumers_start_at_the_end_is_saved_before_its_first_message(broker, tmp_path):
+    """consume_from="last": a queue this consumer never read starts at its end, and that start was saved only at the
+    first flush of its offsets (offset_commit_interval_s): killed before it, the consumer started again at the end
+    of that moment and passed over everything sent meanwhile. The start is in the file before the first message."""
+    topic, group = "NewsFromNow", "CG_broadcast_last"
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def listener(msg):
+        got.put_nowait(msg)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name="late",
+                            offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
+                            offset_commit_interval_s=3600)
+    consumer.subscribe(topic)
+    async with Producer(broker.namesrv, "PG_broadcast_last") as producer:
+        await producer.send(topic, b"before")          # makes the topic: never this consumer's to read
+        await consumer.start()
+        try:
+            while True:     # probes sent before a queue's loop read its end are passed over, as they should be
+                await producer.send(topic, b"probe")
+                try:
+                    first = await asyncio.wait_for(got.get(), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+            saved = list((tmp_path / "offsets").glob(f"*@late/{group}/offsets.json"))    # no flush round yet
+            assert saved, "no start saved before the first message: killed now, it starts at the end again"
+            table = json.loads(saved[0].read_text())["offsetTable"]
+            (start,) = [v for k, v in table.items() if k.startswith(f"{topic}@") and k.endswith(f"@{first.queue_id}")]
+            assert start <= first.queue_offset, (start, first.queue_offset)
+        finally:
+            await consumer.shutdown()
+
+
+@bounded(30)
+async def test_a_start_that_cannot_be_saved_is_said_and_consuming_goes_on(broker, tmp_path, caplog):
+    """The start anchor's failure path: the offsets file cannot be written (a directory where its temporary file
+    goes). Each queue's start is said not stored, at WARNING, and the queue is consumed all the same (the commit
+    round tries again)."""
+    topic, group = "NewsUnsaved", "CG_broadcast_unsaved"
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def listener(msg):
+        got.put_nowait(msg)
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name="unsaved",
+                            offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
+                            offset_commit_interval_s=3600)
+    consumer.offset_store.path.with_suffix(".tmp").mkdir(parents=True)
+    consumer.subscribe(topic)
+    async with Producer(broker.namesrv, "PG_broadcast_unsaved") as producer:
+        await producer.send(topic, b"before")          # makes the topic
+        with caplog.at_level(logging.WARNING, logger="txmq.consumer"):
+            await consumer.start()
+            try:
+                while True:     # probes sent before a queue's loop read its end are passed over
+                    await producer.send(topic, b"probe")
+                    try:
+                        await asyncio.wait_for(got.get(), 0.5)
+                        break
+                    except asyncio.TimeoutError:
+                        continue
+            finally:
+                await consumer.shutdown()
+    said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert said and all(group in line and "Is a directory" in line for line in said), said
 
 
 @bounded(30)

@@ -669,3 +669,32 @@ async def test_routes_due_to_go_do_not_each_wait_out_a_name_server_that_is_down(
         await routes.refresh_all()
     assert not set(topics) & set(routes._routes) and routes.forgotten == 5
     assert asked.count("127.0.0.1:2") == 1, asked
+
+
+@bounded(10)
+async def test_a_heartbeat_of_one_broker_leaves_another_still_unreached():
+    """The push consumer beats one broker before a start commit there (_anchor). That beat set beat_unreached to
+    its own result: a broker still down looked reached, and the rebalance loop's retries (which beat only
+    beat_unreached) stopped until its next round, up to rebalance_interval_s."""
+    from protocol.errors import RequestTimeoutError
+    up, down = "127.0.0.1:1", "127.0.0.1:2"
+
+    class Pool:
+        async def request(self, addr, cmd, timeout):
+            if addr == down:
+                raise RequestTimeoutError(f"connecting to {down} timed out")
+            return cmd.response(ResponseCode.SUCCESS)
+
+        async def close(self):
+            pass
+    consumer = PullConsumer("127.0.0.1:9876", "G")
+    consumer.pool = Pool()
+    consumer._brokers.update({"a": up, "b": down})
+    try:
+        with pytest.raises(RequestTimeoutError):
+            await consumer.heartbeat()
+        assert consumer.beat_unreached == [down] and consumer.heard == {up}
+        await consumer.heartbeat(only=[up])
+        assert consumer.beat_unreached == [down]
+    finally:
+        await consumer.shutdown()
