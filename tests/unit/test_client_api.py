@@ -65,3 +65,8 @@ def test_our_selector_names_the_tags_java_would():
     """Our consumers' heartbeat tagsSet (and their own check of what a pull gave) trimmed the same way: an
     empty tag ("a ||") is none, as FilterAPI skips it."""
     assert consumer.MessageSelector.by_tag("TagA\u3000 || \u0010B ||").tags == ["TagA\u3000", "B"]
+    assert consumer.MessageSelector.by_tag(" * ").tags == ["*"]     # FilterAPI: the tag "*", not every message
+    assert consumer.MessageSelector.by_tag("").tags == []
+    for no_tag in (" ", "||", " || "):      # a broker refuses its pulls: refused at subscribe instead
+        with pytest.raises(ValueError, match="names no tag"):
+            consumer.MessageSelector.by_tag(no_tag)
