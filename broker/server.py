@@ -180,7 +180,8 @@ class BrokerServer:
         if not c.namesrv_addrs:
             ns_srv = await loop.create_server(lambda: self._connection("namesrv", namesrv_table()), c.host,
                                               c.namesrv_port, start_serving=False, backlog=1024)
-        self._servers = [srv for srv in (broker_srv, ns_srv) if srv is not None]
+        vip_srv = await self._vip_listener(loop, c) if c.vip_channel and c.port > 2 else None
+        self._servers = [srv for srv in (broker_srv, ns_srv, vip_srv) if srv is not None]
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
@@ -271,6 +272,8 @@ class BrokerServer:
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
+        if vip_srv is not None:
+            await vip_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
         ha_addr = await self._start_ha(ctx)
@@ -722,6 +725,17 @@ class BrokerServer:
         totals: tuple[dict, dict] = ({}, {})
         _add_lag(totals, self.ctx.offsets.items(), self.ctx.store)
         return _lag_rows(totals)
+
+    async def _vip_listener(self, loop, c):
+        """The broker port again on port - 2, where a Java client before 4.5.1 sends by default (MixAll.
+        brokerVIPChannel); None, said, when that port cannot be had: the broker port serves every other client."""
+        try:
+            return await loop.create_server(lambda: self._connection("broker", broker_table()), c.host, c.port - 2,
+                                            start_serving=False, backlog=1024)
+        except OSError as exc:
+            log.warning("no VIP channel on port %d (the broker port - 2, where Java clients before 4.5.1 send unless "
+                        "setVipChannelEnabled(false)): %s", c.port - 2, exc)
+            return None
 
     def _connection(self, listener: str, table: dict) -> RemotingConnection:
         c = self.config
