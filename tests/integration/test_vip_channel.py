@@ -81,3 +81,15 @@ async def test_the_vip_channel_can_be_turned_off(broker_factory):
     assert (await _send(port, b"main")).code == ResponseCode.SUCCESS
     with pytest.raises(ConnectionClosedError, match="cannot connect"):
         await _send(port - 2, b"no vip")
+
+
+@bounded(60)
+async def test_a_masters_ha_port_at_port_minus_2_is_not_taken_by_the_vip_channel(broker_factory):
+    """The VIP listener bound port - 2 before the master's HA listener bound --ha-port: a master given its port - 2
+    as HA port (which started before the VIP channel) failed to start, "address already in use". The VIP channel
+    yields a port the broker's own configuration gives another listener, said at WARNING."""
+    port = _port_with_vip_free()
+    master = broker_factory("--port", str(port), "--broker-role", "ASYNC_MASTER", "--ha-port", str(port - 2))
+    assert master.ha.endswith(f":{port - 2}"), master.ha
+    assert (await _send(port, b"main")).code == ResponseCode.SUCCESS
+    assert f"no VIP channel on port {port - 2}" in master.log()
