@@ -179,7 +179,14 @@ class BrokerServer:
         if not c.namesrv_addrs:
             ns_srv = await loop.create_server(lambda: self._connection("namesrv", namesrv_table()), c.host,
                                               c.namesrv_port, start_serving=False, backlog=1024)
-        vip_srv = await self._vip_listener(loop, c.port - 2) if c.vip_channel and c.port > 2 else None
+        vip_srv = None
+        if c.vip_channel and c.port > 2:
+            # the HA listener binds later: port - 2 taken first, a master given it as --ha-port failed to start
+            if c.port - 2 == c.ha_port and c.broker_role != "SLAVE":
+                log.warning("no VIP channel on port %d (the broker port - 2): it is this broker's --ha-port",
+                            c.port - 2)
+            else:
+                vip_srv = await self._vip_listener(loop, c.port - 2)
         self._servers = [srv for srv in (broker_srv, ns_srv, vip_srv) if srv is not None]
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
