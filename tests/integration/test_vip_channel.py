@@ -93,3 +93,22 @@ async def test_a_masters_ha_port_at_port_minus_2_is_not_taken_by_the_vip_channel
     assert master.ha.endswith(f":{port - 2}"), master.ha
     assert (await _send(port, b"main")).code == ResponseCode.SUCCESS
     assert f"no VIP channel on port {port - 2}" in master.log()
+
+
+@bounded(90)
+async def test_a_broker_restarted_on_its_port_serves_the_vip_channel_again(broker_factory):
+    """Stopped (SIGTERM) or killed (SIGKILL), a broker leaves port - 2 free with its port: restarted there (as the
+    fault tests restart brokers) it serves the VIP channel again, no warning, with a connection still open on it at
+    the stop."""
+    port = _port_with_vip_free()
+    for end in ("stop", "kill"):
+        broker = broker_factory("--port", str(port), store=end)
+        held = await open_connection("127.0.0.1", port - 2)
+        try:
+            getattr(broker, end)()
+            again = broker_factory("--port", str(port), store=end)
+            assert "no VIP channel" not in again.log()
+            assert (await _send(port - 2, end.encode())).code == ResponseCode.SUCCESS
+            again.stop()
+        finally:
+            held.close()
