@@ -583,3 +583,17 @@ async def test_consume_time_span_gives_each_queues_times_and_how_far_behind_the_
         assert reply.code == ResponseCode.TOPIC_NOT_EXIST, (reply.code, reply.remark)
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_consume_time_span_of_an_empty_queue_is_no_times_and_not_behind(broker):
+    """A queue never written has no store times (-1, as 4.9.8's getMessageStoreTimeStamp) and nothing to be behind
+    on (delayTime 0; 4.9.8 says now + 1 ms there too, the store time of offset -1 being -1)."""
+    assert (await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {
+        "topic": "SpanEmptyT", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6})).code == ResponseCode.SUCCESS
+    reply = await request(broker.broker, R.QUERY_CONSUME_TIME_SPAN, {"topic": "SpanEmptyT", "group": "CG_none"})
+    assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+    spans = json.loads(reply.body_bytes())["consumeTimeSpanSet"]
+    assert sorted(s["messageQueue"]["queueId"] for s in spans) == [0, 1]
+    for s in spans:
+        assert (s["minTimeStamp"], s["maxTimeStamp"], s["consumeTimeStamp"], s["delayTime"]) == (-1, -1, -1, 0), s
