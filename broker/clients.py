@@ -95,7 +95,8 @@ def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
         except SelectorError as exc:
             return Subscription(topic, expression, sub_version=sub_version, expression_type=expression_type,
                                 filter_error=str(exc))
-    if expression is None or expression.strip(JAVA_TRIMMED) in ("", "*"):
+    # FilterAPI.buildSubscriptionData: "*" and "" alone are every message; " * " is the tag "*" (its hash 42).
+    if expression is None or expression in ("", "*"):
         return Subscription(topic, "*", sub_version=sub_version, expression_type=expression_type)
     # Each tag as Java's trim leaves it (str.strip also took U+3000, U+00A0: a tag's own end, its hash another's).
     # Inline, spaces first (every lite pull builds this): the control chars only when an end still has one.
@@ -106,6 +107,12 @@ def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
             tag = tag.strip(JAVA_TRIMMED)
         if tag:
             tags.append(tag)
+    if not tags:
+        # "||" is FilterAPI's "subString split error" (SUBSCRIPTION_PARSE_FAILED); " " or " || " parse there to no
+        # tag, which 4.9.8's broker then matches no message with, each pull's offset moved past them unsaid. Ours
+        # took either as "*" and gave every message. Both are refused (handle_pull) and nothing is passed over.
+        return Subscription(topic, expression, sub_version=sub_version, expression_type=expression_type,
+                            filter_error=f"the TAG expression {expression[:200]!r} names no tag")
     tags = frozenset(tags)
     return Subscription(topic, expression, tags, frozenset(java_string_hash(t) for t in tags), sub_version,
                         expression_type)

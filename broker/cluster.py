@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, default=10911,
                    help="Broker i listens on BASE + i * STEP; 0 picks free ports (default 10911).")
     p.add_argument("--port-step", type=int, default=10,
-                   help="Port distance between brokers (default 10: RocketMQ puts HA at port+1, VIP at port-2).")
+                   help="Port distance between brokers (default 10: RocketMQ puts HA at port+1, VIP at port-2; "
+                        "below 3 the brokers serve no VIP channel).")
     p.add_argument("--metrics-base-port", type=int, default=5557,
                    help="Broker i's /metrics on BASE + i; 0 picks free ports; -1 disables (default 5557).")
     p.add_argument("--broker-prefix", default="broker", help="Broker names are PREFIX-0, PREFIX-1, ...")
@@ -102,6 +103,8 @@ class ClusterSupervisor:
         name = f"{a.broker_prefix}-{i}"
         metrics = -1 if a.metrics_base_port < 0 else (0 if a.metrics_base_port == 0 else a.metrics_base_port + i)
         extra = [f for f in a.broker_flags if f != "--"]
+        if a.port_step < 3:     # a broker's VIP channel (its port - 2) would be another's port: the one to bind it
+            extra = ["--vip-channel", "false", *extra]      # second failed to start (given after, a flag wins)
         return Child(name, [self.python, "-m", MODULE, "--host", a.host,
                             "--port", str(_port(a.base_port, i, a.port_step)), "--metrics-port", str(metrics),
                             "--store-dir", os.path.join(a.store_root, name), "--broker-name", name,

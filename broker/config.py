@@ -22,6 +22,7 @@ class BrokerConfig:
     # ---- network
     host: str = setting("127.0.0.1", "Address the three listeners bind to. Loopback by default: a fresh broker is not exposed.")
     port: int = setting(10911, "Broker port (RocketMQ's default). 0 picks a free port.")
+    vip_channel: bool = setting(True, "Serve the broker port on port - 2 as well (RocketMQ's fastListenPort, the VIP channel): Java clients before 4.5.1 send there by default (sendMessageWithVIPChannel) and failed with a refused connection. None with port 0 (no port - 2 to be had), when port - 2 is taken or is this master's --ha-port (said at WARNING).")
     namesrv_port: int = setting(9876, "Name-server port (RocketMQ's default). 0 picks a free port.")
     metrics_port: int = setting(5557, "Prometheus /metrics HTTP port. 0 picks a free port; -1 disables it.")
     advertised_host: str = setting("", "Address clients are told to use (routes, message ids). Empty: the bind host, or 127.0.0.1 when binding all interfaces.")

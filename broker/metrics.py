@@ -174,7 +174,7 @@ class BrokerMetrics:
                                "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-limit, offset-host-limit, busy, undecided-limit, retry-group-limit, queue-lock-limit, "
                                "max_connections, max_connections_per_host, open-files, max_total_read_buffer, group-limit, subscription-limit, heartbeat-size, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half, end-no-half, end-bad-state, transaction-type-without-half, "
-                               "send-back-unconsumable, batch-messages, header-size).",
+                               "send-back-unconsumable, batch-messages, header-size, tag-expression).",
                                ["reason"], registry=r)
         self.offset_moves_deferred = Counter(
             "txmq_offset_moves_deferred", "Offset moves by a client that is no consumer of the group (an admin "

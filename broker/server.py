@@ -174,13 +174,20 @@ class BrokerServer:
             log.warning("!" * 20 + " " + warning)
             print(f"WARNING: {warning}", file=sys.stderr, flush=True)
 
-        broker_srv = await loop.create_server(lambda: self._connection("broker", broker_table()), c.host, c.port,
-                                              start_serving=False, backlog=1024)
+        broker_srv = await self._broker_listener(loop, c.port)
         ns_srv = None               # with --namesrv-addr the broker registers elsewhere and serves no routes
         if not c.namesrv_addrs:
             ns_srv = await loop.create_server(lambda: self._connection("namesrv", namesrv_table()), c.host,
                                               c.namesrv_port, start_serving=False, backlog=1024)
-        self._servers = [srv for srv in (broker_srv, ns_srv) if srv is not None]
+        vip_srv = None
+        if c.vip_channel and c.port > 2:
+            # the HA listener binds later: port - 2 taken first, a master given it as --ha-port failed to start
+            if c.port - 2 == c.ha_port and c.broker_role != "SLAVE":
+                log.warning("no VIP channel on port %d (the broker port - 2): it is this broker's --ha-port",
+                            c.port - 2)
+            else:
+                vip_srv = await self._vip_listener(loop, c.port - 2)
+        self._servers = [srv for srv in (broker_srv, ns_srv, vip_srv) if srv is not None]
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
@@ -271,6 +278,8 @@ class BrokerServer:
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
+        if vip_srv is not None:
+            await vip_srv.start_serving()
         if ns_srv is not None:
             await ns_srv.start_serving()
         ha_addr = await self._start_ha(ctx)
@@ -722,6 +731,20 @@ class BrokerServer:
         totals: tuple[dict, dict] = ({}, {})
         _add_lag(totals, self.ctx.offsets.items(), self.ctx.store)
         return _lag_rows(totals)
+
+    async def _broker_listener(self, loop, port: int):
+        return await loop.create_server(lambda: self._connection("broker", broker_table()), self.config.host, port,
+                                        start_serving=False, backlog=1024)
+
+    async def _vip_listener(self, loop, port: int):
+        """The broker port again on ``port`` (its port - 2), where a Java client before 4.5.1 sends by default
+        (MixAll.brokerVIPChannel); None, said, when it cannot be had: the broker port serves every other client."""
+        try:
+            return await self._broker_listener(loop, port)
+        except OSError as exc:
+            log.warning("no VIP channel on port %d (the broker port - 2, where Java clients before 4.5.1 send unless "
+                        "setVipChannelEnabled(false)): %s", port, exc)
+            return None
 
     def _connection(self, listener: str, table: dict) -> RemotingConnection:
         c = self.config

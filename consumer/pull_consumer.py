@@ -67,8 +67,13 @@ class MessageSelector:
 
     @classmethod
     def by_tag(cls, tags: str | None) -> "MessageSelector":
-        """Messages whose tag is one of ``tags`` (``"a || b"``); ``"*"`` or nothing: every message."""
-        return cls(tags or "*", "TAG")
+        """Messages whose tag is one of ``tags`` (``"a || b"``); ``"*"`` or nothing: every message. ValueError for
+        an expression that names no tag (``" "``, ``"||"``): a broker refuses its pulls (a 4.9.8 one matches no
+        message with it, and the Java client refuses ``"||"`` at subscribe)."""
+        selector = cls(tags or "*", "TAG")
+        if selector.expression != "*" and not selector.tags:
+            raise ValueError(f"the tag expression {tags[:200]!r} names no tag (\"*\" selects every message)")
+        return selector
 
     @classmethod
     def by_sql(cls, sql: str) -> "MessageSelector":

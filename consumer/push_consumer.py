@@ -37,7 +37,8 @@ from protocol.message import MAX_INFLATED_BODY, MessageExt, Prop
 from protocol.signature import Credentials
 
 from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
-from .pull_consumer import DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSelector, PullConsumer, PullStatus
+from .pull_consumer import (DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSelector, PullConsumer, PullStatus,
+                            as_selector)
 from .rebalance import allocate_averagely
 
 _JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: retried in place for good
@@ -190,7 +191,9 @@ class PushConsumer:
 
     def subscribe(self, topic: str, expression: str | MessageSelector = "*") -> None:
         """Consume ``topic``, only tags in ``expression`` (``"a || b"``; ``"*"`` for all), or what a
-        ``MessageSelector.by_sql(...)`` selects (checked with the brokers at start). Before start()."""
+        ``MessageSelector.by_sql(...)`` selects (checked with the brokers at start). Before start(). ValueError for
+        a tag expression naming no tag (``" "``, ``"||"``): brokers refuse its pulls."""
+        as_selector(expression)
         self.subscriptions[topic] = expression
 
     @property

@@ -158,6 +158,34 @@ def query_topic_consume_by_who(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, body=dump({"groupList": sorted(groups)}).encode())
 
 
+def query_consume_time_span(ctx, conn, cmd):
+    """QueryConsumeTimeSpanBody, a QueueTimeSpan for each write queue of ``topic`` (AdminBrokerProcessor.
+    queryConsumeTimeSpan): the store times of its first and last messages and of the last one ``group`` consumed
+    (its first's when it consumed none), and how long ago the next one it has to consume was stored (0: none).
+    That next one is the queue's first when the group has no offset or one retention went past: RocketMQ reads
+    a time of -1 there and says the group is now+1 ms behind (56 years)."""
+    topic = cmd.str_field("topic", required=True)
+    group = cmd.str_field("group", required=True)
+    tc = ctx.topics.get(topic)
+    if tc is None:
+        return cmd.response(ResponseCode.TOPIC_NOT_EXIST, f"topic[{topic}] not exist")
+    store, now, spans = ctx.store, ctx.clock(), []
+    for qid in range(tc.write_queue_nums):
+        lo, hi = max(0, store.min_offset(topic, qid)), max(0, store.max_offset(topic, qid))
+        min_time = store.earliest_store_time(topic, qid)
+        consumed = ctx.offsets.get(group, topic, qid)
+        consumed = -1 if consumed is None else consumed
+        behind = 0
+        if consumed < hi:
+            next_time = store.store_time_of(topic, qid, max(consumed, lo))
+            behind = now - next_time if next_time >= 0 else 0
+        spans.append({"consumeTimeStamp": store.store_time_of(topic, qid, consumed - 1) if consumed > 0 else min_time,
+                      "delayTime": behind, "maxTimeStamp": store.store_time_of(topic, qid, hi - 1),
+                      "messageQueue": {"brokerName": ctx.config.broker_name, "queueId": qid, "topic": topic},
+                      "minTimeStamp": min_time})
+    return cmd.response(ResponseCode.SUCCESS, body=dump({"consumeTimeSpanSet": spans}).encode())
+
+
 # ------------------------------------------------------------------ topics and the broker
 def get_topic_stats_info(ctx, conn, cmd):
     topic = cmd.str_field("topic", required=True)

@@ -15,7 +15,7 @@ from protocol.message import POS_PHYSICAL_OFFSET, property_bytes, validate_group
 from protocol.record import record_properties
 from protocol.txlog import PROGRESS_GROUP
 
-from ..clients import build_subscription
+from ..clients import build_subscription, is_tag_type
 from ..limits import EveryKey, peer_host
 from ..store import GetStatus
 
@@ -279,7 +279,12 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
             return cmd.response(ResponseCode.NO_PERMISSION,
                                 f"the consumer group[{group}] can not consume by broadcast way")
     record_filter = None
-    if sub.selector is not None or sub.filter_error is not None:       # not a TAG subscription
+    if sub.selector is not None or sub.filter_error is not None:       # not a TAG subscription, or one of no tag
+        if sub.selector is None and is_tag_type(sub.expression_type):
+            ctx.limits.refused("tag-expression", f"pull of group {group[:200]}, topic {topic[:200]} refused: "
+                               f"{sub.filter_error}")
+            return cmd.response(ResponseCode.SUBSCRIPTION_PARSE_FAILED,
+                                f"parse the consumer's subscription failed: {sub.filter_error}")
         if not ctx.config.enable_property_filter:   # read as a tag no message has, it skipped every message unsaid
             return cmd.response(ResponseCode.SYSTEM_ERROR,
                                 f"The broker does not support consumer to filter message by {sub.expression_type}")

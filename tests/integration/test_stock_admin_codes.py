@@ -538,3 +538,62 @@ async def test_the_kept_group_table_answer_follows_consumers_and_offsets_over_tc
         assert "CG_offset_only" in (await table())["subscriptionGroupTable"]
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_consume_time_span_gives_each_queues_times_and_how_far_behind_the_group_is(broker):
+    """QUERY_CONSUME_TIME_SPAN (303; DefaultMQAdminExt.queryConsumeTimeSpan) was REQUEST_CODE_NOT_SUPPORTED.
+    Answered as AdminBrokerProcessor.queryConsumeTimeSpan (rocketmq-all-4.9.8, lines 1093-1147): per write queue
+    the first and last messages' store times, the last consumed one's (the first's with no offset) and now minus
+    the next one's; a group with no offset is behind from the queue's first message (4.9.8: now + 1 ms)."""
+    conn = await _connect(broker.broker)
+    try:
+        for i in range(3):
+            reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
+                "a": "PG_span", "b": "SpanT", "c": "TBW102", "d": 1, "e": 0, "f": 0, "g": 0, "h": 0,
+                "i": "", "j": 0}, f"m{i}".encode()), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        reply = await conn.request(RemotingCommand.request(R.PULL_MESSAGE, {
+            "consumerGroup": "CG_span", "topic": "SpanT", "queueId": 0, "queueOffset": 0, "maxMsgNums": 32,
+            "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0, "subscription": "*", "subVersion": 0}), 5)
+        stored = [m.store_timestamp for m in decode_records(reply.body_bytes())]
+        assert len(stored) == 3
+        reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_span", "topic": "SpanT", "queueId": 0, "commitOffset": 1}), 5)
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+        async def span(group: str) -> dict:
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUME_TIME_SPAN,
+                                                               {"topic": "SpanT", "group": group}), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+            (one,) = json.loads(reply.body_bytes())["consumeTimeSpanSet"]
+            assert one["messageQueue"]["queueId"] == 0 and one["messageQueue"]["topic"] == "SpanT"
+            assert (one["minTimeStamp"], one["maxTimeStamp"]) == (stored[0], stored[2])
+            return one
+
+        one = await span("CG_span")
+        assert one["consumeTimeStamp"] == stored[0]
+        assert 0 <= one["delayTime"] < 60_000       # now minus the store time of message 1, the next to consume
+        none = await span("CG_never")
+        assert none["consumeTimeStamp"] == stored[0]
+        # behind from message 0, asked after the other: not less than the first answer plus 0's lead over 1
+        assert one["delayTime"] + (stored[1] - stored[0]) <= none["delayTime"] < 60_000
+        reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUME_TIME_SPAN,
+                                                           {"topic": "NoSuchSpanT", "group": "CG_span"}), 5)
+        assert reply.code == ResponseCode.TOPIC_NOT_EXIST, (reply.code, reply.remark)
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_consume_time_span_of_an_empty_queue_is_no_times_and_not_behind(broker):
+    """A queue never written has no store times (-1, as 4.9.8's getMessageStoreTimeStamp) and nothing to be behind
+    on (delayTime 0; 4.9.8 says now + 1 ms there too, the store time of offset -1 being -1)."""
+    assert (await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {
+        "topic": "SpanEmptyT", "readQueueNums": 2, "writeQueueNums": 2, "perm": 6})).code == ResponseCode.SUCCESS
+    reply = await request(broker.broker, R.QUERY_CONSUME_TIME_SPAN, {"topic": "SpanEmptyT", "group": "CG_none"})
+    assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+    spans = json.loads(reply.body_bytes())["consumeTimeSpanSet"]
+    assert sorted(s["messageQueue"]["queueId"] for s in spans) == [0, 1]
+    for s in spans:
+        assert (s["minTimeStamp"], s["maxTimeStamp"], s["consumeTimeStamp"], s["delayTime"]) == (-1, -1, -1, 0), s

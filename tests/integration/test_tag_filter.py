@@ -4,7 +4,9 @@ String.hashCode of the tag as stored. A stock lite pull consumer (DefaultLitePul
 sends its expression in every pull (sysFlag SUBSCRIPTION), and the broker builds the filter from it."""
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import pytest
 
@@ -118,5 +120,77 @@ async def test_a_batch_entry_naming_its_tag_twice_is_filtered_alike_after_its_qu
     conn = await open_connection(*_hostport(broker.broker))
     try:
         assert {e: await _pulled(conn, e, "TagTwiceRebuilt") for e in expected} == expected
+    finally:
+        conn.close()
+
+
+async def _pull(conn, group: str, expression: str | None, topic: str = TOPIC):
+    """A pull of queue 0 from offset 0: a lite pull consumer's, naming ``expression`` (sysFlag SUBSCRIPTION), or
+    (None) a push consumer's, filtered by what its group's heartbeat subscribed."""
+    fields = {"consumerGroup": group, "topic": topic, "queueId": 0, "queueOffset": 0, "maxMsgNums": 32,
+              "sysFlag": 0, "commitOffset": 0, "suspendTimeoutMillis": 0, "subVersion": 0, "expressionType": "TAG"}
+    if expression is not None:
+        fields.update(sysFlag=4, subscription=expression)
+    return await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, fields), 5)
+
+
+def _refused(broker, reason: str) -> float:
+    scraped = urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode()
+    line = f'txmq_requests_refused_total{{reason="{reason}"}} '
+    return sum(float(x[len(line):]) for x in scraped.splitlines() if x.startswith(line))
+
+
+@bounded(30)
+async def test_an_expression_of_no_tag_is_refused_and_one_of_the_tag_star_is_that_tag(broker):
+    """FilterAPI.buildSubscriptionData (common/.../filter/FilterAPI.java:44-61 at rocketmq-all-4.9.8) takes only
+    "*" and "" as every message: " * " is the tag "*" (hash 42), " " and " || " parse to no tag (which
+    ExpressionMessageFilter.isMatchedByConsumeQueue:77-81 then matches no message with, the pull's offset moved
+    past them), and "||" throws "subString split error", answered SUBSCRIPTION_PARSE_FAILED
+    (PullMessageProcessor:156-169). Ours trimmed the expression first and gave every message to all four."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        for i, tags in enumerate(["*", "A", "B"]):
+            await _send(conn, tags, f"m{i}".encode())
+        assert await _pulled(conn, " * ") == ["*"]
+        assert await _pulled(conn, "*") == ["*", "A", "B"]
+        assert await _pulled(conn, "") == ["*", "A", "B"]
+        for expression in ("||", " ", " || ", "||||"):
+            reply = await _pull(conn, "CG_tags", expression)
+            assert reply.code == ResponseCode.SUBSCRIPTION_PARSE_FAILED, (expression, reply.code, reply.remark)
+            assert "names no tag" in reply.remark
+        assert _refused(broker, "tag-expression") == 4
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_a_push_consumer_subscribed_to_no_tag_is_refused_its_messages_kept(broker):
+    """A stock push consumer that subscribes " " (an unset tag in its configuration) sends it in its heartbeat with
+    no tag and no code, and pulls without it. 4.9.8 matches no message with it (ExpressionMessageFilter:77-81) and
+    moves the group past them; ours gave it every message. Now its pulls are refused, nothing given, nothing
+    passed over: the group's offset stays where it was."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        await _send(conn, "A", b"kept")
+        beat = json.dumps({"clientID": "127.0.0.1@blank", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": "CG_blank", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                "topic": TOPIC, "subString": " ", "subVersion": 1, "tagsSet": [], "codeSet": [],
+                "classFilterMode": False, "expressionType": "TAG"}]}]}).encode()
+        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, {}, beat), 5)
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        reply = await _pull(conn, "CG_blank", None)
+        assert reply.code == ResponseCode.SUBSCRIPTION_PARSE_FAILED, (reply.code, reply.remark)
+        assert reply.ext_fields.get("nextBeginOffset") is None     # nothing to move the group past its message
+        reply = await conn.request(RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_blank", "topic": TOPIC, "queueId": 0}), 5)
+        assert (reply.code, reply.ext_fields.get("offset")) == (ResponseCode.SUCCESS, "0"), reply
+        # the same consumer subscribing "*" is given the message the refused pulls kept
+        beat = beat.replace(b'"subString": " ", "subVersion": 1', b'"subString": "*", "subVersion": 2')
+        reply = await conn.request(RemotingCommand.request(RequestCode.HEART_BEAT, {}, beat), 5)
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        reply = await _pull(conn, "CG_blank", None)
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        assert [m.body for m in decode_records(reply.body_bytes())] == [b"kept"]
     finally:
         conn.close()

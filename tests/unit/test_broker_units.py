@@ -131,3 +131,22 @@ def test_a_master_must_be_broker_id_0():
             BrokerConfig(broker_role=role, broker_id=1, ha_port=0)
     assert BrokerConfig(broker_role="SYNC_MASTER", ha_port=0).broker_id == 0
     assert BrokerConfig(broker_role="SLAVE", broker_id=2, ha_master_addr="h:1").broker_id == 2
+
+
+def test_a_cluster_with_ports_closer_than_3_serves_no_vip_channel():
+    """Each broker serves its port - 2 as well (--vip-channel): with --port-step 1 or 2 that is another broker's
+    port, and whichever bound it second failed to start. Such a cluster's brokers serve none; a flag given after
+    -- still wins."""
+    from broker.cluster import ClusterSupervisor, build_parser
+
+    def argv(*flags):
+        args = build_parser().parse_args(["--store-root", "/nowhere", "--brokers", "3", *flags])
+        return ClusterSupervisor(args, python="python")._broker_child(2, "127.0.0.1:9876").argv
+
+    def vip(argv):
+        return [argv[i + 1] for i, f in enumerate(argv) if f == "--vip-channel"]
+
+    assert vip(argv()) == []
+    assert vip(argv("--port-step", "3")) == []
+    assert vip(argv("--port-step", "2")) == ["false"]
+    assert vip(argv("--port-step", "1", "--", "--vip-channel", "true")) == ["false", "true"]

@@ -65,3 +65,20 @@ def test_our_selector_names_the_tags_java_would():
     """Our consumers' heartbeat tagsSet (and their own check of what a pull gave) trimmed the same way: an
     empty tag ("a ||") is none, as FilterAPI skips it."""
     assert consumer.MessageSelector.by_tag("TagA\u3000 || \u0010B ||").tags == ["TagA\u3000", "B"]
+    assert consumer.MessageSelector.by_tag(" * ").tags == ["*"]     # FilterAPI: the tag "*", not every message
+    assert consumer.MessageSelector.by_tag("").tags == []
+    for no_tag in (" ", "||", " || "):      # a broker refuses its pulls: refused at subscribe instead
+        with pytest.raises(ValueError, match="names no tag"):
+            consumer.MessageSelector.by_tag(no_tag)
+
+
+def test_a_push_consumer_refuses_a_tag_expression_of_no_tag_at_subscribe():
+    """docs/compatibility.md: our consumers refuse an expression naming no tag at subscribe, as the Java client
+    refuses "||" there. The push consumer only stored it and raised at start(), after fetching routes."""
+    push = consumer.PushConsumer("127.0.0.1:1", "G", lambda msg: None)
+    for no_tag in (" ", "||", " || "):
+        with pytest.raises(ValueError, match="names no tag"):
+            push.subscribe("T", no_tag)
+    assert push.subscriptions == {}
+    push.subscribe("T", " * ")
+    assert push.subscriptions == {"T": " * "}
