@@ -919,6 +919,27 @@ async def test_a_stop_behind_a_hung_save_gives_it_up_and_ends(tmp_path, caplog):
         go.set()
 
 
+@bounded(20)
+async def test_a_stop_behind_a_write_already_said_hung_waits_its_short_bound_not_write_hung_s_more(tmp_path, caplog):
+    """The last save is queued behind the hung write on the saves' one thread: it cannot start before that write
+    ends. A stop with the write already said hung (past write_hung_s, 30 s) waited write_hung_s more all the same:
+    a stop with config/ hung took ~45 s of systemd's 60. It waits HUNG_CLOSE_WAIT_S (2 s) now."""
+    from broker.store.offsets import WRITE_HUNG_S
+    offsets, go = await _hung_offsets(tmp_path, 0.01, 0.2)
+    try:
+        offsets.commit("G", "T", 0, 5)
+        while not offsets.write_hung:   # the periodic save hangs, said so
+            await asyncio.sleep(0.01)
+        offsets.write_hung_s = WRITE_HUNG_S     # (as said in production: after 30 s)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(offsets.close(), 5)
+        assert loop.time() - began >= 1.9   # the short bound, waited (the write may end in it)
+        assert "consumer offsets not persisted at close: a write has not ended in 30 s, nor in 2 s more" in caplog.text
+    finally:
+        go.set()
+
+
 async def _let_pass(seconds: float, check) -> None:
     """``seconds`` of the loop's time pass (what is measured), ``check()`` true all along."""
     loop = asyncio.get_running_loop()
