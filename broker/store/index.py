@@ -46,6 +46,7 @@ from protocol.record import MESSAGE_MAGIC_BYTES
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .saved import retrieved
 
 log = logging.getLogger("txmq.index")
 
@@ -75,6 +76,10 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the di
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
+# A no-op queued on the index thread that has not come through in this long: a write there hangs (the periodic
+# progress save's msync of the newest file or its index/progress write, on a hung disk or a stopped NFS). A query
+# waiting behind it is answered SYSTEM_ERROR then (stalled_s): it waited for ever, answered by nothing.
+STALLED_S = 10.0
 _WAKE = object()
 
 
@@ -144,6 +149,7 @@ class IndexService:
         self.max_checks = MAX_QUERY_CHECKS
         self.max_reads = MAX_QUERY_READS
         self.queries_cut = 0            # queries that stopped at max_checks (txmq_index_queries_cut_total)
+        self._probe: tuple | None = None    # (a no-op's future on the index thread, when queued): stalled_s
         self._cut_logged = -_CUT_LOG_EVERY_S
 
     # ------------------------------------------------------------ lifecycle
@@ -219,11 +225,32 @@ class IndexService:
         return self._catching_up or self.stopped
 
     # ------------------------------------------------------------ the API (awaitable)
-    def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
+    async def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> "QueryResult":
         """A QueryResult: the commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest
         first, at most min(max_num, 64), from at most ``max_checks`` records of its hash (``cut`` if more were
-        left)."""
-        return self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
+        left). StoreError once the index thread has not come through in STALLED_S (a write there hangs)."""
+        asked = self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
+        while True:
+            done, _ = await asyncio.wait({asked}, timeout=1.0)
+            if done:
+                return asked.result()
+            stalled = self.stalled_s()
+            if stalled > STALLED_S:
+                asked.add_done_callback(retrieved)     # (answered by the thread if it ever comes through)
+                raise StoreError(f"the message index's thread has not come through in {stalled:.0f} s (a write "
+                                 "there hangs: a hung disk or a stopped network file system?; "
+                                 "txmq_index_stalled_seconds)")
+
+    def stalled_s(self) -> float:
+        """How long a no-op has waited on the index thread behind the jobs queued before it (0.0 once it came
+        through; the next is queued then). Polled by the gauge loop and a query still waiting: a write there that
+        hung held every query by key behind it, unanswered, and nothing said it. Not the hot path."""
+        probe = self._probe
+        if probe is not None and not probe[0].done():
+            return time.monotonic() - probe[1]
+        if self._thread is not None and not self._stopping:
+            self._probe = (self._submit(_nothing), time.monotonic())
+        return 0.0
 
     def expire(self, min_offset: int) -> asyncio.Future:
         """Remove the files every entry of which points below ``min_offset`` (never the last one)."""
@@ -675,6 +702,10 @@ class QueryResult(NamedTuple):
 def _file_name(ms: int) -> str:
     """UtilAll.timeMillisToHumanString: yyyyMMddHHmmssSSS, local time."""
     return time.strftime("%Y%m%d%H%M%S", time.localtime(ms / 1000)) + f"{ms % 1000:03d}"
+
+
+def _nothing() -> None:
+    """stalled_s's probe."""
 
 
 def _settle(fut: asyncio.Future, value, exc) -> None:
