@@ -447,10 +447,11 @@ class BrokerServer:
                               "without ending (a hung disk or a stopped network file system): its updates are "
                               "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends "
                               "(queueLocks.json: locks granted meanwhile are not saved; delayOffset.json: no "
-                              "scheduler snapshot is written until it ends).",
+                              "scheduler snapshot is written until it ends; slaveMasterDelayOffset.json, on a slave: "
+                              "its Java master's delay progress not copied until it ends).",
                               ["file"], lambda: [((os.path.basename(t.path),), 1 if t.write_hung else 0)
-                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file, ctx.schedule)
-                                                 if t is not None])
+                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file, ctx.schedule,
+                                                           self.slave_sync) if t is not None])
         m.add_gauge_collector("txmq_store_flush_in_flight_seconds", "How long the oldest commit-log flush (msync) in "
                               "flight has run, 0 with none: one that does not return (a hung disk, a stopped "
                               "network file system) holds every SYNC_FLUSH send unanswered.", [], snap("flush_age"))
