@@ -459,9 +459,9 @@ class BrokerServer:
                               "(flushes, checkpoints, the transaction snapshot, in order) has waited, 0 once it "
                               "came through: a write that hangs there holds every flush queued behind it.", [],
                               snap("io_stalled"))
-        m.add_gauge_collector("txmq_index_stalled_seconds", "How long a no-op queued on the message index's thread "
-                              "(indexing, queries by key, its periodic progress save) has waited, 0 once it came "
-                              "through: a write that hangs there holds every query by key (answered SYSTEM_ERROR "
+        m.add_gauge_collector("txmq_index_stalled_seconds", "How long the job now running on the message index's "
+                              "thread (indexing, a query by key, its periodic progress save) has run, 0 between "
+                              "jobs: a write that hangs there holds every query by key (answered SYSTEM_ERROR "
                               "past 10 s) and the indexing (absent with the index off).", [], snap("index_stalled"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
@@ -591,7 +591,7 @@ class BrokerServer:
                                "the store's I/O thread comes through again")
 
     def _index_stalled(self) -> float:
-        """How long a no-op has waited on the message index's thread (index.stalled_s: the gauge), said as
+        """How long the message index's thread has been in one job (index.stalled_s: the gauge), said as
         ``_io_stalled`` says the store's. Its periodic progress save hung there (an msync of the newest index file,
         index/progress: a hung disk, a stopped NFS) held every query by key, unanswered, with nothing said; and
         with no send in flight no store gauge moved."""

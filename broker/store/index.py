@@ -149,7 +149,7 @@ class IndexService:
         self.max_checks = MAX_QUERY_CHECKS
         self.max_reads = MAX_QUERY_READS
         self.queries_cut = 0            # queries that stopped at max_checks (txmq_index_queries_cut_total)
-        self._probe: tuple | None = None    # (a no-op's future on the index thread, when queued): stalled_s
+        self._job_began: float | None = None    # time.monotonic() the index thread began its job now running
         self._cut_logged = -_CUT_LOG_EVERY_S
 
     # ------------------------------------------------------------ lifecycle
@@ -242,15 +242,13 @@ class IndexService:
                                  "txmq_index_stalled_seconds)")
 
     def stalled_s(self) -> float:
-        """How long a no-op has waited on the index thread behind the jobs queued before it (0.0 once it came
-        through; the next is queued then). Polled by the gauge loop and a query still waiting: a write there that
-        hung held every query by key behind it, unanswered, and nothing said it. Not the hot path."""
-        probe = self._probe
-        if probe is not None and not probe[0].done():
-            return time.monotonic() - probe[1]
-        if self._thread is not None and not self._stopping:
-            self._probe = (self._submit(_nothing), time.monotonic())
-        return 0.0
+        """How long the job now running on the index thread has run (0.0 between jobs). Polled by the gauge loop
+        and a query still waiting: a write there that hung held every query by key behind it, unanswered, and
+        nothing said it. The job's own time, not a no-op's wait behind the queue: a backlog of quick jobs (a burst
+        of queries by key on a cold disk) made a probe wait seconds, and queries the thread was answering one
+        after the other were refused as behind a hang. Not the hot path."""
+        began = self._job_began
+        return 0.0 if began is None else max(0.0, time.monotonic() - began)
 
     def expire(self, min_offset: int) -> asyncio.Future:
         """Remove the files every entry of which points below ``min_offset`` (never the last one)."""
@@ -349,6 +347,7 @@ class IndexService:
                 self._guarded(self._save_progress)
 
     def _guarded(self, fn, *args) -> None:
+        self._job_began = time.monotonic()      # (stalled_s)
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
@@ -361,6 +360,8 @@ class IndexService:
                               "once the disk has room" if resumable else "at the next start")
             self.failed = str(exc)
             self._failing, self._resumable, self._failed_at = True, resumable, time.monotonic()
+        finally:
+            self._job_began = None
 
     def _resume(self) -> None:
         """(Index thread) after a full disk stopped indexing: the files read back as a start-up reads them (the
@@ -702,10 +703,6 @@ class QueryResult(NamedTuple):
 def _file_name(ms: int) -> str:
     """UtilAll.timeMillisToHumanString: yyyyMMddHHmmssSSS, local time."""
     return time.strftime("%Y%m%d%H%M%S", time.localtime(ms / 1000)) + f"{ms % 1000:03d}"
-
-
-def _nothing() -> None:
-    """stalled_s's probe."""
 
 
 def _settle(fut: asyncio.Future, value, exc) -> None:
