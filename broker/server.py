@@ -999,13 +999,17 @@ class BrokerServer:
         started = time.monotonic()
         while True:
             age = max(store.flush_age_s(), store.io_stalled_s()) if store is not None else 0.0
+            waited = time.monotonic() - started
             # (the index's thread already seen held, its gauge past the bound: at once, not FLUSH_HUNG_S more)
-            own = max(time.monotonic() - started, self.ctx.index.stalled_s()) if name in _OWN_BOUND else 0.0
+            held = self.ctx.index.stalled_s() if name in _OWN_BOUND else 0.0
+            own = max(waited, held) if name in _OWN_BOUND else 0.0
             if own > FLUSH_HUNG_S and age <= FLUSH_HUNG_S:
                 stopping.add_done_callback(retrieved)
-                log.error("stopping without closing the %s: its last save (on its own thread, on the store's disk) has "
-                          "not returned in %.0f s (a hung disk or a stopped network file system?); the next start "
-                          "catches up from the commit log", name, own)
+                log.error("stopping without closing the %s: %s (on its own thread, on the store's disk) has not "
+                          "returned in %.0f s (a hung disk or a stopped network file system?); the next start "
+                          "catches up from the commit log", name,
+                          "a write its thread was already held by when the stop began" if held > waited + 1.0
+                          else "its last save", own)
                 return
             if age > FLUSH_HUNG_S:
                 stopping.add_done_callback(retrieved)
