@@ -122,3 +122,35 @@ async def test_a_busy_index_thread_that_comes_through_job_after_job_is_not_said_
         assert svc.stalled_s() < 0.5
     finally:
         await svc.close()
+
+
+@bounded(30)
+async def test_a_query_while_the_index_thread_is_seen_held_is_refused_without_queueing_behind_it(tmp_path,
+                                                                                                 monkeypatch):
+    """Once the thread is seen held, each further query by key still queued a job behind the hang and waited its
+    first poll (1 s) to be refused: the jobs of refused queries (a client retrying every 3 s for an hour of a
+    stopped NFS: thousands) piled up on the thread's queue, each run for nobody once it came through. Refused at
+    once now, nothing queued."""
+    from protocol.errors import StoreError
+
+    from broker.store import index as index_mod
+    monkeypatch.setattr(index_mod, "STALLED_S", 0.5, raising=False)
+    svc = IndexService(str(tmp_path), segment_size=1 << 20, slots=16, entries=1000)
+    await svc.open(0, 0)
+    held, go = threading.Event(), threading.Event()
+    try:
+        svc._q.put(lambda: (held.set(), go.wait(20)))       # (the save that hangs)
+        assert await asyncio.to_thread(held.wait, 5)
+        with pytest.raises(StoreError):                     # the first: waits until the thread is seen held
+            await asyncio.wait_for(svc.query("T", "k", 32, 0, 2**62), 10)
+        queued = svc._q.qsize()
+        for _ in range(50):
+            asking = asyncio.ensure_future(svc.query("T", "k", 32, 0, 2**62))
+            await asyncio.sleep(0)                          # (one turn: no poll's 1 s)
+            assert asking.done(), "a query behind a thread seen held waited"
+            with pytest.raises(StoreError, match="has not come through"):
+                asking.result()
+        assert svc._q.qsize() == queued
+    finally:
+        go.set()
+        await svc.close()
