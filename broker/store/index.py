@@ -229,17 +229,24 @@ class IndexService:
         """A QueryResult: the commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest
         first, at most min(max_num, 64), from at most ``max_checks`` records of its hash (``cut`` if more were
         left). StoreError once the index thread has not come through in STALLED_S (a write there hangs)."""
+        self._check_held()      # (seen held already: at once, no job left queued behind it for nobody)
         asked = self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
         while True:
             done, _ = await asyncio.wait({asked}, timeout=1.0)
             if done:
                 return asked.result()
-            stalled = self.stalled_s()
-            if stalled > STALLED_S:
+            try:
+                self._check_held()
+            except StoreError:
                 asked.add_done_callback(retrieved)     # (answered by the thread if it ever comes through)
-                raise StoreError(f"the message index's thread has not come through in {stalled:.0f} s (a write "
-                                 "there hangs: a hung disk or a stopped network file system?; "
-                                 "txmq_index_stalled_seconds)")
+                raise
+
+    def _check_held(self) -> None:
+        stalled = self.stalled_s()
+        if stalled > STALLED_S:
+            raise StoreError(f"the message index's thread has not come through in {stalled:.0f} s (a write "
+                             "there hangs: a hung disk or a stopped network file system?; "
+                             "txmq_index_stalled_seconds)")
 
     def stalled_s(self) -> float:
         """How long the job now running on the index thread has run (0.0 between jobs). Polled by the gauge loop
