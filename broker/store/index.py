@@ -76,7 +76,7 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the di
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
-# A no-op queued on the index thread that has not come through in this long: a write there hangs (the periodic
+# A job on the index thread that has run this long (not its wait behind others): a write there hangs (the periodic
 # progress save's msync of the newest file or its index/progress write, on a hung disk or a stopped NFS). A query
 # waiting behind it is answered SYSTEM_ERROR then (stalled_s): it waited for ever, answered by nothing.
 STALLED_S = 10.0
