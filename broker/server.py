@@ -102,6 +102,7 @@ class BrokerServer:
         self._lag_totals: tuple | None = None   # (lag, removed unread) rows, summed in slices (see _gauge_loop)
         self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
         self._io_hung = False       # the store's I/O thread has held a no-op past FLUSH_HUNG_S (_io_stalled)
+        self._index_hung = False    # the index thread has held a no-op past FLUSH_HUNG_S (_index_stalled)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -455,10 +456,11 @@ class BrokerServer:
                               "without ending (a hung disk or a stopped network file system): its updates are "
                               "answered SYSTEM_ERROR \"not saved\" and held in memory, written once it ends "
                               "(queueLocks.json: locks granted meanwhile are not saved; delayOffset.json: no "
-                              "scheduler snapshot is written until it ends).",
+                              "scheduler snapshot is written until it ends; slaveMasterDelayOffset.json, on a slave: "
+                              "its Java master's delay progress not copied until it ends).",
                               ["file"], lambda: [((os.path.basename(t.path),), 1 if t.write_hung else 0)
-                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file, ctx.schedule)
-                                                 if t is not None])
+                                                 for t in (ctx.subscriptions, ctx.kv, self.lock_file, ctx.schedule,
+                                                           self.slave_sync) if t is not None])
         m.add_gauge_collector("txmq_store_flush_in_flight_seconds", "How long the oldest commit-log flush (msync) in "
                               "flight has run, 0 with none: one that does not return (a hung disk, a stopped "
                               "network file system) holds every SYNC_FLUSH send unanswered.", [], snap("flush_age"))
@@ -466,6 +468,10 @@ class BrokerServer:
                               "(flushes, checkpoints, the transaction snapshot, in order) has waited, 0 once it "
                               "came through: a write that hangs there holds every flush queued behind it.", [],
                               snap("io_stalled"))
+        m.add_gauge_collector("txmq_index_stalled_seconds", "How long the job now running on the message index's "
+                              "thread (indexing, a query by key, its periodic progress save) has run, 0 between "
+                              "jobs: a write that hangs there holds every query by key (answered SYSTEM_ERROR "
+                              "past 10 s) and the indexing (absent with the index off).", [], snap("index_stalled"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
                               "log (by itself once a full disk has room; after another error, at the next "
@@ -555,6 +561,7 @@ class BrokerServer:
             "damaged": [((), len(ctx.store.damaged_queues()))],
             "flush_age": [((), self._flush_age())],
             "io_stalled": [((), self._io_stalled())],
+            "index_stalled": [((), self._index_stalled())] if ctx.index is not None else [],
             # (none on a slave: its delivery progress and undecided index are the ones it had at start-up,
             # never following its master's, so what they count as waiting, and for how long, only grows)
             "schedule": [] if ha_roles.is_slave(self.config) else
@@ -591,6 +598,18 @@ class BrokerServer:
                                "behind it do not start, nothing written after it is acknowledged "
                                "(txmq_store_io_stalled_seconds)",
                                "the store's I/O thread comes through again")
+
+    def _index_stalled(self) -> float:
+        """How long the message index's thread has been in one job (index.stalled_s: the gauge), said as
+        ``_io_stalled`` says the store's. Its periodic progress save hung there (an msync of the newest index file,
+        index/progress: a hung disk, a stopped NFS) held every query by key, unanswered, with nothing said; and
+        with no send in flight no store gauge moved."""
+        return self._said_hung("_index_hung", self.ctx.index.stalled_s(),
+                               "the message index's thread (indexing, queries by key, its progress save) has not "
+                               "come through in %.0f s (a hung disk or a stopped network file system?): queries by "
+                               "key are answered SYSTEM_ERROR, nothing stored since is indexed until it does "
+                               "(txmq_index_stalled_seconds)",
+                               "the message index's thread comes through again")
 
     def _said_hung(self, flag: str, age: float, hung: str, again: str) -> float:
         """``age`` (s) of a store wait, said once at ERROR (``hung``) past FLUSH_HUNG_S and once at WARNING
@@ -1003,12 +1022,17 @@ class BrokerServer:
         started = time.monotonic()
         while True:
             age = max(store.flush_age_s(), store.io_stalled_s()) if store is not None else 0.0
-            own = time.monotonic() - started if name in _OWN_BOUND else 0.0
+            waited = time.monotonic() - started
+            # (the index's thread already seen held, its gauge past the bound: at once, not FLUSH_HUNG_S more)
+            held = self.ctx.index.stalled_s() if name in _OWN_BOUND else 0.0
+            own = max(waited, held) if name in _OWN_BOUND else 0.0
             if own > FLUSH_HUNG_S and age <= FLUSH_HUNG_S:
                 stopping.add_done_callback(retrieved)
-                log.error("stopping without closing the %s: its last save (on its own thread, on the store's disk) has "
-                          "not returned in %.0f s (a hung disk or a stopped network file system?); the next start "
-                          "catches up from the commit log", name, own)
+                log.error("stopping without closing the %s: %s (on its own thread, on the store's disk) has not "
+                          "returned in %.0f s (a hung disk or a stopped network file system?); the next start "
+                          "catches up from the commit log", name,
+                          "a write its thread was already held by when the stop began" if held > waited + 1.0
+                          else "its last save", own)
                 return
             if age > FLUSH_HUNG_S:
                 stopping.add_done_callback(retrieved)

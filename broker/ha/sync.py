@@ -98,6 +98,7 @@ class SlaveSync:
         self._delay_copied: dict[int, int] | None = None    # as last written there
         self._delay_failing: str | None = None
         self._copy_io: asyncio.Future | None = None     # the last write or removal of the copy (one at a time)
+        self.write_hung = False     # that one has run past COPY_WRITE_WAIT_S (txmq_config_write_hung), until it ends
 
     def copy_age_s(self) -> float:
         """Seconds since the master's offsets, groups and topics were last copied whole (since this slave's start
@@ -106,6 +107,11 @@ class SlaveSync:
         server gave that the slave cannot reach, a full disk), looked as sound as any in its metrics, and consumers
         that failed over to it went on from offsets days old -- those days' messages again."""
         return max(0.0, self.clock() - self.copied_at)
+
+    @property
+    def path(self) -> str:
+        """The Java master's delay progress copy (txmq_config_write_hung's ``file``)."""
+        return os.path.join(self._config_dir or "", MASTER_COPY_NAME)
 
     def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
         """The registrar's on_result: the name server names this broker's master (empty while none)."""
@@ -362,12 +368,19 @@ class SlaveSync:
         self._copy_io = fut
         done, _ = await asyncio.wait({fut}, timeout=COPY_WRITE_WAIT_S)
         if not done:
-            fut.add_done_callback(retrieved)
+            # Said by an ERROR alone, a copy that hung for days showed on no gauge, and its end by nothing
+            self.write_hung = True
+            fut.add_done_callback(self._copy_hung_ended)
             log.error("%s: a write has not ended in %g s (a hung disk or a stopped network file system?): the sync "
-                      "goes on without it, the copy written again once it ends",
-                      os.path.join(self._config_dir, MASTER_COPY_NAME), COPY_WRITE_WAIT_S)
+                      "goes on without it, the copy written again once it ends (txmq_config_write_hung)",
+                      self.path, COPY_WRITE_WAIT_S)
             raise TimeoutError(f"a write of {MASTER_COPY_NAME} has not ended in {COPY_WRITE_WAIT_S:g} s")
         return fut.result()
+
+    def _copy_hung_ended(self, fut: asyncio.Future) -> None:
+        retrieved(fut)
+        self.write_hung = False
+        log.warning("%s: the write that hung has ended", self.path)
 
     async def _master_restarted(self, addr: str) -> bool:
         """Whether the master's bootTimestamp is another than last answered (the missed times set to 0 then); asked

@@ -10,12 +10,13 @@ most MAX_QUERY_CHECKS (4,096) records of its key's hash and MAX_QUERY_READS (16,
 past that (other keys with the same hashCode or index slot, or the key's own outside the range), the answer is
 what was found, and its remark says the search stopped. While indexing is stopped (txmq_index_failed: a full
 disk, or a slot table the disk has no room for) the remark says from which commit-log offset messages are not
-searched, whatever the code.
+searched, whatever the code. A query the index's thread has not answered once it is seen held
+(txmq_index_stalled_seconds past 10 s: a write there hangs) is answered SYSTEM_ERROR, saying so.
 """
 from __future__ import annotations
 
 from protocol.codes import QUERY_NOT_FOUND_REMARK, ResponseCode
-from protocol.errors import CorruptRecordError
+from protocol.errors import CorruptRecordError, StoreError
 
 UNIQUE_KEY_QUERY = "_UNIQUE_KEY_QUERY"      # MixAll.UNIQUE_MSG_QUERY_FLAG
 DEFAULT_QUERY_MAX_NUM = 32                  # BrokerConfig.defaultQueryMaxNum
@@ -33,7 +34,10 @@ async def query_message(ctx, conn, cmd):
     if ctx.index is None:
         return cmd.response(ResponseCode.SYSTEM_ERROR, "the message index is off on this broker "
                             "(message_index_enable=false)")
-    found, last_ts, last_phy, cut = await ctx.index.query(topic, key, max_num, begin, end)
+    try:
+        found, last_ts, last_phy, cut = await ctx.index.query(topic, key, max_num, begin, end)
+    except StoreError as exc:       # its thread held by a write that hangs (said by the gauge loop), or it stopped
+        return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
     header = {"indexLastUpdateTimestamp": last_ts, "indexLastUpdatePhyoffset": last_phy}
     stopped = (f"the search stopped after {ctx.index.max_checks} records of the key's hash or {ctx.index.max_reads} "
                "index entries (other keys share its hashCode or its index slot): older matches are not answered; "

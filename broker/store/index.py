@@ -46,6 +46,7 @@ from protocol.record import MESSAGE_MAGIC_BYTES
 
 from .index_file import IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .saved import retrieved
 
 log = logging.getLogger("txmq.index")
 
@@ -75,6 +76,10 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the di
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
+# A job on the index thread that has run this long (not its wait behind others): a write there hangs (the periodic
+# progress save's msync of the newest file or its index/progress write, on a hung disk or a stopped NFS). A query
+# waiting behind it is answered SYSTEM_ERROR then (stalled_s): it waited for ever, answered by nothing.
+STALLED_S = 10.0
 _WAKE = object()
 
 
@@ -144,6 +149,7 @@ class IndexService:
         self.max_checks = MAX_QUERY_CHECKS
         self.max_reads = MAX_QUERY_READS
         self.queries_cut = 0            # queries that stopped at max_checks (txmq_index_queries_cut_total)
+        self._job_began: float | None = None    # time.monotonic() the index thread began its job now running
         self._cut_logged = -_CUT_LOG_EVERY_S
 
     # ------------------------------------------------------------ lifecycle
@@ -219,11 +225,37 @@ class IndexService:
         return self._catching_up or self.stopped
 
     # ------------------------------------------------------------ the API (awaitable)
-    def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> asyncio.Future:
+    async def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> "QueryResult":
         """A QueryResult: the commit-log offsets of records of ``topic`` whose KEYS or UNIQ_KEY is ``key``, newest
         first, at most min(max_num, 64), from at most ``max_checks`` records of its hash (``cut`` if more were
-        left)."""
-        return self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
+        left). StoreError once the index thread has not come through in STALLED_S (a write there hangs)."""
+        self._check_held()      # (seen held already: at once, no job left queued behind it for nobody)
+        asked = self._submit(self._query, topic, key, max(0, min(max_num, MAX_QUERY)), begin, end)
+        while True:
+            done, _ = await asyncio.wait({asked}, timeout=1.0)
+            if done:
+                return asked.result()
+            try:
+                self._check_held()
+            except StoreError:
+                asked.add_done_callback(retrieved)     # (answered by the thread if it ever comes through)
+                raise
+
+    def _check_held(self) -> None:
+        stalled = self.stalled_s()
+        if stalled > STALLED_S:
+            raise StoreError(f"the message index's thread has not come through in {stalled:.0f} s (a write "
+                             "there hangs: a hung disk or a stopped network file system?; "
+                             "txmq_index_stalled_seconds)")
+
+    def stalled_s(self) -> float:
+        """How long the job now running on the index thread has run (0.0 between jobs). Polled by the gauge loop
+        and a query still waiting: a write there that hung held every query by key behind it, unanswered, and
+        nothing said it. The job's own time, not a no-op's wait behind the queue: a backlog of quick jobs (a burst
+        of queries by key on a cold disk) made a probe wait seconds, and queries the thread was answering one
+        after the other were refused as behind a hang. Not the hot path."""
+        began = self._job_began
+        return 0.0 if began is None else max(0.0, time.monotonic() - began)
 
     def expire(self, min_offset: int) -> asyncio.Future:
         """Remove the files every entry of which points below ``min_offset`` (never the last one)."""
@@ -322,6 +354,7 @@ class IndexService:
                 self._guarded(self._save_progress)
 
     def _guarded(self, fn, *args) -> None:
+        self._job_began = time.monotonic()      # (stalled_s)
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
@@ -334,6 +367,8 @@ class IndexService:
                               "once the disk has room" if resumable else "at the next start")
             self.failed = str(exc)
             self._failing, self._resumable, self._failed_at = True, resumable, time.monotonic()
+        finally:
+            self._job_began = None
 
     def _resume(self) -> None:
         """(Index thread) after a full disk stopped indexing: the files read back as a start-up reads them (the

@@ -54,11 +54,15 @@ REST_FACTOR = 3
 ADMIN_REST_MAX_S = 1.0
 # A save's write (after its encode: _check_hung) that has not ended in this long is taken as hung (a stopped NFS, a stuck FUSE): said once at ERROR and by
 # ``write_hung`` (txmq_consumer_offsets_write_hung) until it ends; callers of ``saved`` are answered OSError instead of
-# waiting for it, and the stop gives its last save up after as long. Above a big table's save on a loaded host
+# waiting for it, and the stop gives its last save up HUNG_CLOSE_WAIT_S after. Above a big table's save on a loaded host
 # (200,000 offsets: 14 s seen), not a stuck one.
 WRITE_HUNG_S = 30.0
 # The most a stop waits for its last save when no write was seen hung (a big table on a slow disk).
 CLOSE_WAIT_S = 120.0
+# The most it waits once one is said hung (at its start or while it waits): the last save is queued behind that
+# write on the saves' one thread and starts only once it ends, which a hung disk gives no reason to expect. Waiting
+# ``write_hung_s`` more (30 s) made a stop with config/ hung take ~45 s of systemd's and compose's 60 s.
+HUNG_CLOSE_WAIT_S = 2.0
 
 
 class ConsumerOffsets:
@@ -106,6 +110,7 @@ class ConsumerOffsets:
         # that hung kept the interpreter's exit joining its worker, the process never ending.
         self._thread: DaemonThreads | None = None
         self.write_hung_s = WRITE_HUNG_S
+        self.hung_close_wait_s = HUNG_CLOSE_WAIT_S
         self.write_hung = False     # a write has run past write_hung_s and not ended yet (_write_off_loop)
         self._io_began: float | None = None   # time.monotonic() the saves' thread began writing (not encoding)
         # Changes made (commit, _remove) and the count the newest file holds: ``saved`` with nothing new writes
@@ -288,21 +293,21 @@ class ConsumerOffsets:
                 self._thread = None
 
     async def _last_save(self, last: asyncio.Future) -> None:
-        """Wait for the stop's ``last`` save CLOSE_WAIT_S at most, ``write_hung_s`` once a write is said hung (at
-        the stop's start or while it waits: a bound chosen once at the start had a stop begun a moment before a
+        """Wait for the stop's ``last`` save CLOSE_WAIT_S at most, ``hung_close_wait_s`` once a write is said hung
+        (at the stop's start or while it waits: a bound chosen once at the start had a stop begun a moment before a
         stuck write was said hung wait the long one, and one begun while it hung give the last save, behind it,
-        ``write_hung_s`` whole after it ended); TimeoutError when given up."""
+        the short bound whole after it ended); TimeoutError when given up."""
         loop = asyncio.get_running_loop()
         longest = deadline = loop.time() + CLOSE_WAIT_S
         hung = False
         while not last.done():
             if self.write_hung != hung:     # said hung; or the write that hung ended: the last save may run its time
                 hung = self.write_hung
-                deadline = min(longest, loop.time() + self.write_hung_s) if hung else longest
+                deadline = min(longest, loop.time() + self.hung_close_wait_s) if hung else longest
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError(f"{self.write_hung_s:g} s" if hung else
-                                   f"{CLOSE_WAIT_S:g} s")
+                raise TimeoutError(f"{self.write_hung_s:g} s, nor in {self.hung_close_wait_s:g} s more of the stop"
+                                   if hung else f"{CLOSE_WAIT_S:g} s")
             waits = [last, self._write_end()]   # (``_hung`` ends one; a write's end sets the next)
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         last.result()       # (raises a failed save's)

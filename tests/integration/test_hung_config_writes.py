@@ -214,3 +214,52 @@ async def test_a_promotions_hung_delay_offset_write_does_not_hold_the_start(tmp_
         sigterm_ends(broker, "delayOffset.json", within=45)
     finally:
         release(fifo, broker)
+
+
+async def _query_key(broker, key: str, timeout: float = 3.0):
+    return await request(broker.broker, R.QUERY_MESSAGE, {
+        "topic": "TBW102", "key": key, "maxNum": "32", "beginTimestamp": "0",
+        "endTimestamp": str((1 << 63) - 1)}, timeout=timeout)
+
+
+@bounded(150)
+async def test_a_hung_index_progress_save_is_gauged_queries_answered_and_nothing_lost(tmp_path):
+    """The message index saves its progress every 10 s on its one thread, which also answers queries by key. That
+    write hung (here index/progress.tmp is a FIFO no one reads: its open() blocks, as on a stopped NFS) and every
+    QUERY_MESSAGE queued behind it was answered by nothing (a client's timeout, the broker's task held for ever),
+    with no gauge and no log: no send was in flight for the store's gauges to move. Now the index thread's stall
+    is gauged (txmq_index_stalled_seconds) and said at ERROR past 10 s, a query behind it is answered
+    SYSTEM_ERROR saying so, and the stop gives the index up at once; restarted, the key is found."""
+    store = tmp_path / "store"
+    broker = BrokerProcess(store).start()
+    fifo = store / "index" / "progress.tmp"
+    try:
+        os.mkfifo(fifo)
+        for _ in range(400):
+            # a send wakes the index thread (an idle one saves nothing): the first save 10 s after its start hangs
+            sent = await request(broker.broker, R.SEND_MESSAGE, {
+                "producerGroup": "PG_hung_index", "topic": "TBW102", "queueId": "0", "sysFlag": "0",
+                "bornTimestamp": "0", "flag": "0", "properties": "KEYS\x01hung-key\x02"}, b"indexed")
+            assert sent.code == C.SUCCESS, sent.remark
+            stalled = await _gauge(broker, "txmq_index_stalled_seconds")
+            if stalled is not None and stalled > 10 and "the message index's thread" in broker.log():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the held index thread was never said\n{broker.log()}")
+        asked = await _query_key(broker, "hung-key")
+        assert asked.code == C.SYSTEM_ERROR and "the message index's thread has not come through" in asked.remark, \
+            (asked.code, asked.remark)
+        sigterm_ends(broker, "index/progress", within=45)   # (a hang guard only)
+        # given up at once, as its thread was already seen held: not its own bound (FLUSH_HUNG_S) from the stop
+        assert "stopping without closing the index: a write its thread was already held by when the stop began" \
+            in broker.log(), broker.log()
+    finally:
+        release(fifo, broker)
+    os.unlink(fifo)
+    again = BrokerProcess(store).start()
+    try:
+        found = await _query_key(again, "hung-key", timeout=10)
+        assert found.code == C.SUCCESS and b"indexed" in found.body_bytes(), (found.code, found.remark)
+    finally:
+        again.kill()

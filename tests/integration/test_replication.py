@@ -485,6 +485,24 @@ def _waiting(metrics_addr: str) -> dict[str, float]:
             for s in family.samples if s.name == "txmq_schedule_messages_waiting"}
 
 
+def _config_write_hung(metrics_addr: str) -> dict[str, float]:
+    """txmq_config_write_hung by file, as a broker exports it."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+    return {s.labels["file"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "txmq_config_write_hung"}
+
+
+async def test_a_slave_gauges_its_copy_of_a_java_masters_delay_progress_and_a_master_does_not(broker_factory):
+    """The server's wiring of SlaveSync.write_hung (unit-tested alone): every slave exports
+    txmq_config_write_hung{file="slaveMasterDelayOffset.json"}, 0 while no write of it hangs; a master has none."""
+    master = _master(broker_factory, role="ASYNC_MASTER")
+    slave = _slave(broker_factory, master)
+    assert (await asyncio.to_thread(_config_write_hung, slave.metrics)).get("slaveMasterDelayOffset.json") == 0
+    assert "slaveMasterDelayOffset.json" not in await asyncio.to_thread(_config_write_hung, master.metrics)
+
+
 async def test_a_slave_does_not_export_deliveries_it_does_not_make(broker_factory):
     """A slave delivers no delayed or timer message (its master does, and the deliveries replicate). Its
     txmq_schedule_messages_waiting counted every delayed message ever replicated to it as waiting (its level

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import types
 
 import pytest
@@ -995,6 +996,43 @@ async def test_a_hung_removal_of_a_java_masters_copy_does_not_hold_the_sync_unde
                 break
             await asyncio.sleep(0.05)
         assert not (tmp_path / "config" / MASTER_COPY_NAME).exists()
+    finally:
+        release.set()
+        await sync.close()
+
+
+@bounded(10)
+async def test_a_hung_copy_of_a_java_masters_delay_progress_is_gauged_until_it_ends(tmp_path, monkeypatch, caplog):
+    """The copy's write that hung was said by one ERROR and nothing else: no txmq_config_write_hung (no alert), and
+    its end by nothing. write_hung (the gauge's ``file="slaveMasterDelayOffset.json"``) is 1 while it hangs, and
+    its end is said at WARNING."""
+    import threading
+
+    import broker.ha.sync as sync_mod
+    from broker.schedule.progress import MASTER_COPY_NAME, write_master_copy
+
+    monkeypatch.setattr(sync_mod, "COPY_WRITE_WAIT_S", 0.2)
+    release = threading.Event()
+
+    def hung_write(config_dir, levels):
+        release.wait(20)
+        write_master_copy(config_dir, levels)
+    monkeypatch.setattr(sync_mod, "write_master_copy", hung_write)
+    sync = _following("127.0.0.1:10911", ConsumerOffsets(str(tmp_path)))
+    sync.topics = sync.subscriptions = None
+    _java_or_txmq_master(sync, {"bootTimestamp": "1"}, [b'{"offsetTable":{1:4}}', b'{"offsetTable":{1:5}}'], [])
+    try:
+        assert not getattr(sync, "write_hung", False)
+        assert await asyncio.wait_for(sync.sync_once(), 3.0)
+        assert getattr(sync, "write_hung", False) is True
+        assert os.path.basename(sync.path) == MASTER_COPY_NAME
+        release.set()
+        for _ in range(100):
+            if not sync.write_hung:
+                break
+            await asyncio.sleep(0.05)
+        assert not sync.write_hung
+        assert f"{MASTER_COPY_NAME}: the write that hung has ended" in caplog.text
     finally:
         release.set()
         await sync.close()

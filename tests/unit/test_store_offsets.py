@@ -919,6 +919,53 @@ async def test_a_stop_behind_a_hung_save_gives_it_up_and_ends(tmp_path, caplog):
         go.set()
 
 
+@bounded(20)
+async def test_a_stop_behind_a_write_already_said_hung_waits_its_short_bound_not_write_hung_s_more(tmp_path, caplog):
+    """The last save is queued behind the hung write on the saves' one thread: it cannot start before that write
+    ends. A stop with the write already said hung (past write_hung_s, 30 s) waited write_hung_s more all the same:
+    a stop with config/ hung took ~45 s of systemd's 60. It waits HUNG_CLOSE_WAIT_S (2 s) now."""
+    from broker.store.offsets import WRITE_HUNG_S
+    offsets, go = await _hung_offsets(tmp_path, 0.01, 0.2)
+    try:
+        offsets.commit("G", "T", 0, 5)
+        while not offsets.write_hung:   # the periodic save hangs, said so
+            await asyncio.sleep(0.01)
+        offsets.write_hung_s = WRITE_HUNG_S     # (as said in production: after 30 s)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(offsets.close(), 5)
+        assert loop.time() - began >= 1.9   # the short bound, waited (the write may end in it)
+        assert "consumer offsets not persisted at close: a write has not ended in 30 s, nor in 2 s more" in caplog.text
+    finally:
+        go.set()
+
+
+@bounded(20)
+async def test_a_write_said_hung_that_ends_in_the_stops_short_bound_still_gets_the_last_save_written(tmp_path,
+                                                                                                   caplog):
+    """The short bound gives the last save up only while the write ahead of it still hangs: one that ends in it
+    lets the last save run its long bound, and the file holds the newest commit (none left in a .tmp)."""
+    from broker.store.offsets import WRITE_HUNG_S
+    offsets, go = await _hung_offsets(tmp_path, 0.01, 0.2)
+    try:
+        offsets.commit("G", "T", 0, 5)
+        while not offsets.write_hung:   # the periodic save hangs, said so
+            await asyncio.sleep(0.01)
+        offsets.write_hung_s = WRITE_HUNG_S
+        offsets.commit("G", "T", 0, 6)
+        closing = asyncio.ensure_future(offsets.close())
+        await asyncio.sleep(0)          # the stop waits (its short bound)
+        assert not closing.done()
+        go.set()                        # the hung write ends, well inside the 2 s
+        await asyncio.wait_for(closing, 10)
+        assert "not persisted at close" not in caplog.text, caplog.text
+        with open(tmp_path / "config" / "consumerOffset.json") as f:
+            assert json.load(f) == {"T@G": {"0": 6}}
+        assert not [n for n in os.listdir(tmp_path / "config") if n.endswith(".tmp")]
+    finally:
+        go.set()
+
+
 async def _let_pass(seconds: float, check) -> None:
     """``seconds`` of the loop's time pass (what is measured), ``check()`` true all along."""
     loop = asyncio.get_running_loop()
