@@ -216,6 +216,7 @@ async def recover(tx) -> None:
     checks: dict[int, int] = {}
     undecided: set[int] = set()        # half offsets known undecided (the snapshot's, resumed ones)
     owners: dict[int, str] = {}        # half offset -> client id of its sender (asked first)
+    checked: dict[int, int] = {}       # half offset -> when its last check record was written (wall ms)
     earlier = None          # the table as the last process left it, read for op records that cannot be (salvage.py)
     if snap is None:
         earlier = tx.table.clear()
@@ -229,13 +230,15 @@ async def recover(tx) -> None:
             undecided.add(off)
             checks[off] = n
         owners = _owners(snap)
+        checked = _checked(snap)
         removed = snap.get("removed_undecided")
         if isinstance(removed, list):           # (a slave's, see _removed_undecided)
             undecided.update(off for off in removed if type(off) is int and off >= 0)
     gone_queue = snap.get("removed_undecided_queue") if snap is not None else None
     gone_queue = {q for q in gone_queue if type(q) is int and q >= 0} if isinstance(gone_queue, list) else set()
     try:
-        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from, gone_queue)
+        repaired = await _replay(tx, snap, earlier, checks, undecided, owners, op_from, half_from, gone_queue,
+                                 checked)
     finally:
         if earlier is not None:
             earlier.close()
@@ -254,11 +257,13 @@ async def recover(tx) -> None:
 
 
 async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int], owners: dict[int, str],
-                  op_from: int | None, half_from: int | None, gone_queue: set[int] = frozenset()) -> int:
+                  op_from: int | None, half_from: int | None, gone_queue: set[int] = frozenset(),
+                  checked: dict[int, int] | None = None) -> int:
     """The op records from ``op_from`` into the decision table, then the undecided halves into the index; returns
     how many transactions it repaired. ``earlier``: the table as the last process left it (None: it is still
     ``tx.table``, or was another store's), for op records that cannot be read (salvage.py)."""
     store = tx.ctx.store
+    checked = {} if checked is None else checked
     resumed_floor = None
     damaged: dict[int, Damaged] = {}    # half queue offset -> its last op record, unreadable
     unplaced: list[int] = []            # unreadable op records that name no half
@@ -288,6 +293,8 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
                 op.half_offset = at
         if op.tag == OP_TAG_CHECK:
             checks[op.half_offset] = max(checks.get(op.half_offset, 0), op.checks)
+            if op.checks:               # a check's (a sender record has none): the next is an interval after it
+                checked[op.half_offset] = max(checked.get(op.half_offset, 0), msg.store_timestamp)
             if op.owner:                # its sender, for a half stored after the snapshot (or with none usable)
                 owners[op.half_offset] = op.owner
             continue
@@ -307,6 +314,7 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
             tx.record(q, None)
             undecided.add(op.half_offset)
             checks[op.half_offset] = 0
+            checked.pop(op.half_offset, None)
             resumed_floor = q if resumed_floor is None else min(resumed_floor, q)
         else:
             tx.record(q, op.op)
@@ -323,8 +331,12 @@ async def _replay(tx, snap, earlier, checks: dict[int, int], undecided: set[int]
     def index(msg, off: int) -> None:
         if _unflipped_stamp(msg, lambda: _stamp_bounds(store, msg, tx.ctx.clock())) is not None:
             restamped.append(off)
-        tx.core.add(tx_from_half(msg, checks.get(off, 0), owners.get(off, "")), now,
-                    msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp))
+        t = tx_from_half(msg, checks.get(off, 0), owners.get(off, ""))
+        last = checked.get(off) if t.checks else None
+        if last is not None:
+            t.checked_at = last
+        tx.core.add(t, now, msg.properties.get(Prop.CHECK_IMMUNITY_TIME_IN_SECONDS), tx.stored_at(msg.store_timestamp),
+                    None if last is None else tx.stored_at(last))
 
     removed: list[int] = []             # undecided halves in segments removed without their dead letter
     # Halves stored after the snapshot (a slave's is its start's: most halves of a slave up for days) whose segments
@@ -606,10 +618,13 @@ def encode_snapshot(snap: dict, pending: list) -> bytes:
         return "[" + ",".join(_dumps([row(x) for x in items[i:i + _SLICE]])[1:-1]
                               for i in range(0, len(items), _SLICE)) + "]"
     pending_rows = array(pending, lambda t: (t.half_offset, t.queue_offset, t.checks))
+    # When each checked one was last checked (wall ms): a key of its own, as "owners", so an older txmq reads it
+    # as before; rows only for those checked since the broker started (or since the snapshot it started from).
+    checked = array([t for t in pending if t.checked_at], lambda t: (t.half_offset, t.checked_at))
     owners = ",".join(f"{_dumps(client_id)}:{array(offsets, int)}"
                       for client_id, offsets in _by_owner(pending).items())
     head = _dumps(snap)
-    return with_crc(f'{head[:-1]}{"," if len(head) > 2 else ""}"pending":{pending_rows},"owners":{{{owners}}}}}'
+    return with_crc(f'{head[:-1]}{"," if len(head) > 2 else ""}"pending":{pending_rows},"checked":{checked},"owners":{{{owners}}}}}'
                     .encode())
 
 
@@ -628,6 +643,16 @@ def _by_owner(pending) -> dict[str, list[int]]:
     for client_id in [c for c in owners if not plain_owner(c)]:
         del owners[client_id]
     return owners
+
+
+def _checked(snap: dict) -> dict[int, int]:
+    """{half offset: when it was last checked (wall ms)} from the snapshot's "checked" rows; malformed rows (or
+    none, an older txmq's snapshot) are left out: those are due at once after the restart, as before."""
+    rows = snap.get("checked")
+    if not isinstance(rows, list):
+        return {}
+    return {row[0]: row[1] for row in rows
+            if isinstance(row, list) and len(row) == 2 and all(type(v) is int and v >= 0 for v in row)}
 
 
 def sender_id(t) -> str:

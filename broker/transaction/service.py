@@ -992,10 +992,12 @@ class TransactionService:
             self._refused[1] = self._refused[1] or refused[0].remark or refused[0].status.name
         self.changed = True
         not_sent: dict[str, list[str]] = {}     # why -> the keys of the checks it kept from going out
+        wall = self.ctx.clock()
         for action, result in zip(batch, results):
             tx = action.tx
             if not self.core.check_written(tx, now, result is not None and result.ok):
                 continue
+            tx.checked_at = wall            # (the snapshot keeps it: a restart's next check is an interval on)
             try:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
