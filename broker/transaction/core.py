@@ -882,14 +882,31 @@ class TransactionCore:
 
         A check still being written (chosen, not sent yet) only gives its slot back: its send fails on the
         closed channel and check_not_sent puts it due at once."""
-        held = self.checking.pop(channel, None)
+        return self._lose(channel, now, None)
+
+    def producer_left(self, channel, group: str, now: int) -> list[Tx]:
+        """``channel`` unregistered its producer of ``group`` (UNREGISTER_CLIENT) and stays open: the checks of
+        the group's transactions sent on it will never be answered (a Java client drops a check for a group it has
+        no producer of). As channel_closed, for that group's alone: they waited for an interval to be taken as
+        lost, while another producer of the group could have been asked at once. Returns those transactions."""
+        return self._lose(channel, now, group)
+
+    def _lose(self, channel, now: int, group: str | None) -> list[Tx]:
+        """The checks ``channel`` holds (of ``group``'s transactions, or all) are lost: their slots given back,
+        the sent ones due at ``now`` (_lost). Returns those."""
+        held = self.checking.get(channel)
         lost = []
-        for tx in (held or {}).values():
+        for off, tx in list((held or {}).items()):
+            if group is not None and tx.group != group:
+                continue
+            del held[off]
             tx.check_channel = None
             self._held.pop((channel, tx.group), None)
             self.room_changed(tx.group)
             if tx.awaiting and self._lost(tx, now):
                 lost.append(tx)
+        if held is not None and not held:
+            del self.checking[channel]
         return lost
 
     def _lost(self, tx: Tx, now: int) -> bool:

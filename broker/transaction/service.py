@@ -1025,6 +1025,11 @@ class TransactionService:
                 done.set_result(None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
 
+    def producer_left(self, conn, group: str) -> None:
+        """``conn`` unregistered its producer of ``group`` and stays open (processors/client.py): the group's checks
+        it holds are asked again of another producer at once, as a closed connection's (core.producer_left)."""
+        self._checks_lost(self.core.producer_left(conn, group, self.ctx.monotonic()))
+
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:
             return
