@@ -582,6 +582,8 @@ async def write_snapshot(tx) -> bool:
             "op_offset": min(tx.writing_ops + [store.max_offset(OP_TOPIC, 0)]),
             "half_offset": min(tx.storing + [store.max_offset(HALF_TOPIC, 0)]),
             "dead": tx.dead_count, "written_ms": tx.ctx.clock(), "decision_files": tx.table.bases,
+            # (the "checked" rows are of transactions checked since: see encode_snapshot)
+            "checked_since": tx.ctx.clock() - tx.ctx.config.transaction_check_interval_ms,
             # (a slave writes one at start only: true then; a snapshot without it is an earlier txmq's, see recover)
             "written_as": getattr(tx.ctx.config, "broker_role", ""), "removed_undecided": tx.removed_undecided,
             "removed_undecided_queue": tx.removed_undecided_queue}
@@ -615,16 +617,24 @@ def encode_snapshot(snap: dict, pending: list) -> bytes:
     index (660 ms a snapshot instead of 70). Encoded a slice at a time: one json.dumps holds the interpreter lock
     to the end, and the event loop with it."""
     def array(items: list, row) -> str:
-        return "[" + ",".join(_dumps([row(x) for x in items[i:i + _SLICE]])[1:-1]
-                              for i in range(0, len(items), _SLICE)) + "]"
+        return ints([row(x) for x in items[i:i + _SLICE]] for i in range(0, len(items), _SLICE))
+
+    def ints(items) -> str:      # a list of ints, or its slices' lists
+        slices = (items[i:i + _SLICE] for i in range(0, len(items), _SLICE)) if isinstance(items, list) else items
+        return "[" + ",".join(filter(None, (_dumps(s)[1:-1] for s in slices))) + "]"
     pending_rows = array(pending, lambda t: (t.half_offset, t.queue_offset, t.checks))
-    # When each checked one was last checked (wall ms): a key of its own, as "owners", so an older txmq reads it
-    # as before; rows only for those checked since the broker started (or since the snapshot it started from).
-    checked = array([t for t in pending if t.checked_at], lambda t: (t.half_offset, t.checked_at))
+    # When those checked within an interval were last checked (wall ms: a restart after the snapshot finds any other
+    # due), grouped by that time as "owners" by id (a check pass stamps its batch alike): a key of its own, so an
+    # older txmq reads the snapshot as before. As [offset, ms] rows it made a snapshot 1.5x as long to encode.
+    since, by_time = snap.get("checked_since", 0), {}
+    for t in pending:
+        if t.checked_at > since:
+            by_time.setdefault(t.checked_at, []).append(t.half_offset)
+    checked = ",".join(f'"{ms}":{ints(offsets)}' for ms, offsets in by_time.items())
     owners = ",".join(f"{_dumps(client_id)}:{array(offsets, int)}"
                       for client_id, offsets in _by_owner(pending).items())
     head = _dumps(snap)
-    return with_crc(f'{head[:-1]}{"," if len(head) > 2 else ""}"pending":{pending_rows},"checked":{checked},"owners":{{{owners}}}}}'
+    return with_crc(f'{head[:-1]}{"," if len(head) > 2 else ""}"pending":{pending_rows},"checked":{{{checked}}},"owners":{{{owners}}}}}'
                     .encode())
 
 
@@ -646,13 +656,16 @@ def _by_owner(pending) -> dict[str, list[int]]:
 
 
 def _checked(snap: dict) -> dict[int, int]:
-    """{half offset: when it was last checked (wall ms)} from the snapshot's "checked" rows; malformed rows (or
-    none, an older txmq's snapshot) are left out: those are due at once after the restart, as before."""
-    rows = snap.get("checked")
-    if not isinstance(rows, list):
+    """{half offset: when it was last checked (wall ms)} from the snapshot's "checked" ({ms: [half offsets]}); what
+    is malformed (or none, an older txmq's snapshot) is left out: those are due at once after the restart, as before."""
+    groups = snap.get("checked")
+    if not isinstance(groups, dict):
         return {}
-    return {row[0]: row[1] for row in rows
-            if isinstance(row, list) and len(row) == 2 and all(type(v) is int and v >= 0 for v in row)}
+    checked = {}
+    for ms, offsets in groups.items():
+        if ms.isdigit() and isinstance(offsets, list):
+            checked.update((off, int(ms)) for off in offsets if type(off) is int and off >= 0)
+    return checked
 
 
 def sender_id(t) -> str:
