@@ -350,6 +350,16 @@ def test_snapshot_owners_are_read_as_far_as_they_are_well_formed():
                                                                                           30: "c@3"}
 
 
+def test_snapshot_checked_times_are_read_as_far_as_they_are_well_formed():
+    """An older txmq's snapshot has no "checked"; a malformed entry (a key int() refuses though str.isdigit()
+    accepts it, an offset not an int) costs only its own transactions' last-check times, never the start-up."""
+    from broker.transaction.recovery import _checked
+    assert _checked({"pending": []}) == {}
+    assert _checked({"checked": [1, 2]}) == {}
+    assert _checked({"checked": {"\u00b2": [1], "1" * 5000: [2], "-5": [3], "x": [4], "1700000000000": [5, "6", True],
+                                 "1700000000001": "7"}}) == {5: 1_700_000_000_000}
+
+
 @bounded(30)
 async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapshot(tmp_path):
     """The snapshot names each sender; a half stored after it (and checked before the crash) is named by its
