@@ -663,7 +663,9 @@ def _checked(snap: dict) -> dict[int, int]:
         return {}
     checked = {}
     for ms, offsets in groups.items():
-        if ms.isdigit() and isinstance(offsets, list):
+        # ASCII digits, at most 18 (a wall ms fits in 13): str.isdigit() alone took a superscript or 5,000 digits,
+        # which int() refuses, and the broker did not start
+        if ms.isascii() and ms.isdigit() and len(ms) <= 18 and isinstance(offsets, list):
             checked.update((off, int(ms)) for off in offsets if type(off) is int and off >= 0)
     return checked
 
