@@ -626,11 +626,27 @@ def encode_snapshot(snap: dict, pending: list) -> bytes:
     # When those checked within an interval were last checked (wall ms: a restart after the snapshot finds any other
     # due), grouped by that time as "owners" by id (a check pass stamps its batch alike): a key of its own, so an
     # older txmq reads the snapshot as before. As [offset, ms] rows it made a snapshot 1.5x as long to encode.
+    # A steady stream of checks stamps about one batch a millisecond (one time per 2 or 3 transactions at 134,000 in
+    # a minute): written a group at a time (a json.dumps each) that took 3x as long as the snapshot without them.
+    # Small groups go a slice of offsets at a time to one json.dumps (int keys written as strings); a group of a
+    # slice or more (a pass's batch) a slice of its offsets at a time, as the rows.
     since, by_time = snap.get("checked_since", 0), {}
     for t in pending:
         if t.checked_at > since:
             by_time.setdefault(t.checked_at, []).append(t.half_offset)
-    checked = ",".join(f'"{ms}":{ints(offsets)}' for ms, offsets in by_time.items())
+    chunks, chunk, rows = [], {}, 0
+    for ms, offsets in by_time.items():
+        if len(offsets) >= _SLICE:
+            chunks.append(f'"{ms}":{ints(offsets)}')
+            continue
+        chunk[ms] = offsets
+        rows += len(offsets)
+        if rows >= _SLICE:
+            chunks.append(_dumps(chunk)[1:-1])
+            chunk, rows = {}, 0
+    if chunk:
+        chunks.append(_dumps(chunk)[1:-1])
+    checked = ",".join(chunks)
     owners = ",".join(f"{_dumps(client_id)}:{array(offsets, int)}"
                       for client_id, offsets in _by_owner(pending).items())
     head = _dumps(snap)
