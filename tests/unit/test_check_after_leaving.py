@@ -67,6 +67,7 @@ async def test_a_producer_that_leaves_while_its_check_record_is_written_is_not_s
     put_many = ctx.store.put_many
 
     async def unregistered_meanwhile(*args, **kwargs):
+        ctx.store.put_many = put_many
         ctx.clients.unregister(leaver, "PG", None)          # as processors/client.py's UNREGISTER_CLIENT
         assert ctx.clients.left_group(leaver, "PG")
         tx.producer_left(leaver, "PG")
@@ -75,9 +76,9 @@ async def test_a_producer_that_leaves_while_its_check_record_is_written_is_not_s
     ctx.store.put_many = unregistered_meanwhile
     try:
         await tx.run_due(clock.now)
-        ctx.store.put_many = put_many
-        assert leaver.checks == [] and t.next_check <= clock.now, (len(leaver.checks), t.next_check - clock.now)
-        await tx.run_due(clock.now)                          # asked again of the group at once
-        assert len(other.checks) == 1 and leaver.checks == []
+        if not other.checks:
+            await tx.run_due(clock.now)                      # (the same pass, or the next at the same time)
+        assert leaver.checks == [] and len(other.checks) == 1, (len(leaver.checks), t.next_check - clock.now)
+        assert t.checks == 2 and ctx.metrics.checks_lost.labels("PG")._value.get() == 1
     finally:
         await ctx.store._store.close()
