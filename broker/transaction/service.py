@@ -998,6 +998,13 @@ class TransactionService:
             if not self.core.check_written(tx, now, result is not None and result.ok):
                 continue
             tx.checked_at = wall            # (the snapshot keeps it: a restart's next check is an interval on)
+            if self.ctx.clients.left_group(action.channel, tx.group):
+                # Its producer unregistered the group while the record was written (producer_left gave the slot
+                # back): sent, the check went to one that drops it, on an open connection, and waited an interval.
+                # Not sent, as on a closed connection: asked again of the group at once.
+                if self.core.check_not_sent(tx, self.ctx.monotonic()):
+                    self._checks_lost([tx])
+                continue
             try:
                 action.channel.oneway(self._check_command(tx))
             except Exception as exc:  # noqa: BLE001 - a dead channel: the next pass picks another
