@@ -383,6 +383,32 @@ async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapsho
         await ctx2.store._store.close()
 
 
+@bounded(30)
+async def test_a_last_check_ahead_of_a_wall_clock_stepped_back_delays_the_next_by_one_interval_at_most(tmp_path):
+    """The next check after a restart is an interval after the last one, by the wall clock (a check record's store
+    time, the snapshot's "checked"): a check stamped a day ahead of the clock a restart finds (stepped back since)
+    must not hold its next check a day and an interval, nor for ever. As a half's store time ahead (tx.stored_at),
+    it is taken as made at the restart: the next check one interval on (1000 ms here)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    snapped, logged = await add_half(ctx, b"in the snapshot"), await add_half(ctx, b"by its check record")
+    day = 86_400_000
+    clock.now += day                                # the wall clock a day ahead while they were checked
+    snapped.checks, snapped.checked_at = 1, clock.now
+    await ctx.tx.write_snapshot()
+    rf = ctx.tx.records
+    assert (await ctx.store.put(rf.check(logged.half_offset, logged.queue_offset, 1, ""))).ok
+    await ctx.store._store.close()                  # crash
+    clock.now -= day                                # stepped back
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        for half in (snapped, logged):
+            t = ctx2.tx.pending[half.half_offset]
+            assert t.checks == 1 and clock.now < t.next_check <= clock.now + 1000, t.next_check - clock.now
+    finally:
+        await ctx2.store._store.close()
+
+
 async def _sender_after_a_crash(ctx, tmp_path, clock, half) -> str:
     """Closes the store under `ctx` (a crash: no stop, no new snapshot), starts a service on it again and returns
     the sender it knows for `half`."""
