@@ -220,7 +220,8 @@ class BrokerMetrics:
         self.check_answers = Counter("txmq_transaction_check_answers", "Answers to checks, by result.",
                                      ["producer_group", "result"], registry=r)
         self.checks_lost = Counter("txmq_transaction_checks_lost",
-                                   "Checks whose connection closed before they were answered: asked again of a "
+                                   "Checks whose connection closed (or whose producer unregistered its group on it) "
+                                   "before they were answered: asked again of a "
                                    "live producer at once (each still counts against transaction_check_max; a "
                                    "re-ask lost so in turn is not counted: it waits its schedule).",
                                    ["producer_group"], registry=r)

@@ -160,7 +160,10 @@ def unregister_client(ctx, conn, cmd):
 
 
 def _unregister_client(ctx, conn, cmd):
-    _notify(ctx, ctx.clients.unregister(conn, cmd.str_field("producerGroup"), cmd.str_field("consumerGroup")))
+    producer_group = cmd.str_field("producerGroup")
+    _notify(ctx, ctx.clients.unregister(conn, producer_group, cmd.str_field("consumerGroup")))
+    if producer_group and ctx.tx is not None and ctx.clients.left_group(conn, producer_group):
+        ctx.tx.producer_left(conn, producer_group)     # its checks in flight go to the group's others at once
     return cmd.response(ResponseCode.SUCCESS)
 
 

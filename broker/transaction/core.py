@@ -13,7 +13,8 @@ The service (service.py) feeds it events and performs the actions it returns:
     a producer of the group joins       its deferred transactions are due now; its parked ones may go
     check written / failed              next check after the interval, 2x / 4x while unanswered
     resume (admin, of a dead letter)    pending again, checks reset
-    recovered                           pending with its check count, due no earlier than now
+    recovered                           pending with its check count, due no earlier than now, nor than an
+                                        interval after its last check record
 
 Every time the core is given is the schedule's clock (the service's is monotonic), except Tx.store_ts,
 the store timestamp (the wall clock's), kept for ages and reports.
@@ -73,6 +74,8 @@ class Tx:
     tags_code: int = 0
     next_check: int = 0
     checks: int = 0
+    checked_at: int = 0          # when its last check record was written, by the wall clock (0: none known): a
+                                 # restart schedules its next check from it (add), as the snapshot keeps it
     unanswered: int = 0          # consecutive checks without an answer: they stretch the interval
     awaiting: bool = False       # a check was sent and not answered yet
     last_answer: str = ""
@@ -245,13 +248,20 @@ class TransactionCore:
         self._waking: deque[tuple[int, dict[int, Tx]]] = deque()
 
     # ------------------------------------------------------------ the index
-    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None, stored_at: int | None = None) -> bool:
+    def add(self, tx: Tx, now: int | None = None, immunity_s: str | None = None, stored_at: int | None = None,
+            checked: int | None = None) -> bool:
         """A half is stored (or recovered, ``now`` given): index it. True when it is now the earliest due.
 
         ``stored_at``: when the half was stored by the schedule's clock, when that is not the clock of
-        ``tx.store_ts`` (the service schedules by the monotonic clock; store times are the wall clock's)."""
+        ``tx.store_ts`` (the service schedules by the monotonic clock; store times are the wall clock's).
+        ``checked``: when a recovered transaction was last checked, by the schedule's clock: its next check is an
+        interval after it. Due at once instead, each restart spent a check: a broker restarted five times in a
+        minute asked a producer five times in that minute, and one in a crash loop dead-lettered a transaction
+        whose local transaction was still running after check_max restarts, not check_max intervals."""
         tx.stored_at = tx.store_ts if stored_at is None else stored_at
         tx.next_check = first_check_time(self.policy, tx.stored_at, immunity_s)
+        if checked is not None:
+            tx.next_check = max(tx.next_check, checked + self.policy.check_interval_ms)
         if now is not None:
             tx.next_check = max(tx.next_check, now)
         earliest = self.next_due()
@@ -872,14 +882,31 @@ class TransactionCore:
 
         A check still being written (chosen, not sent yet) only gives its slot back: its send fails on the
         closed channel and check_not_sent puts it due at once."""
-        held = self.checking.pop(channel, None)
+        return self._lose(channel, now, None)
+
+    def producer_left(self, channel, group: str, now: int) -> list[Tx]:
+        """``channel`` unregistered its producer of ``group`` (UNREGISTER_CLIENT) and stays open: the checks of
+        the group's transactions sent on it will never be answered (a Java client drops a check for a group it has
+        no producer of). As channel_closed, for that group's alone: they waited for an interval to be taken as
+        lost, while another producer of the group could have been asked at once. Returns those transactions."""
+        return self._lose(channel, now, group)
+
+    def _lose(self, channel, now: int, group: str | None) -> list[Tx]:
+        """The checks ``channel`` holds (of ``group``'s transactions, or all) are lost: their slots given back,
+        the sent ones due at ``now`` (_lost). Returns those."""
+        held = self.checking.get(channel)
         lost = []
-        for tx in (held or {}).values():
+        for off, tx in list((held or {}).items()):
+            if group is not None and tx.group != group:
+                continue
+            del held[off]
             tx.check_channel = None
             self._held.pop((channel, tx.group), None)
             self.room_changed(tx.group)
             if tx.awaiting and self._lost(tx, now):
                 lost.append(tx)
+        if held is not None and not held:
+            del self.checking[channel]
         return lost
 
     def _lost(self, tx: Tx, now: int) -> bool:

@@ -992,9 +992,18 @@ class TransactionService:
             self._refused[1] = self._refused[1] or refused[0].remark or refused[0].status.name
         self.changed = True
         not_sent: dict[str, list[str]] = {}     # why -> the keys of the checks it kept from going out
+        wall = self.ctx.clock()
         for action, result in zip(batch, results):
             tx = action.tx
             if not self.core.check_written(tx, now, result is not None and result.ok):
+                continue
+            tx.checked_at = wall            # (the snapshot keeps it: a restart's next check is an interval on)
+            if self.ctx.clients.left_group(action.channel, tx.group):
+                # Its producer unregistered the group while the record was written (producer_left gave the slot
+                # back): sent, the check went to one that drops it, on an open connection, and waited an interval.
+                # Not sent, as on a closed connection: asked again of the group at once.
+                if self.core.check_not_sent(tx, self.ctx.monotonic()):
+                    self._checks_lost([tx])
                 continue
             try:
                 action.channel.oneway(self._check_command(tx))
@@ -1022,6 +1031,11 @@ class TransactionService:
             if not done.done():
                 done.set_result(None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
+
+    def producer_left(self, conn, group: str) -> None:
+        """``conn`` unregistered its producer of ``group`` and stays open (processors/client.py): the group's checks
+        it holds are asked again of another producer at once, as a closed connection's (core.producer_left)."""
+        self._checks_lost(self.core.producer_left(conn, group, self.ctx.monotonic()))
 
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:

@@ -186,6 +186,34 @@ async def test_an_end_for_a_half_dead_lettered_after_a_restart_is_refused_saying
 
 
 @bounded(120)
+async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_last(broker_factory):
+    """Checked once, a transaction is checked again an interval later, restarts or not: recovered due at once (and
+    deferred until its producer came back, then due at once), each kill -9 spent a check, 4 in 15 s at a 60 s
+    interval, and a broker in a crash loop dead-lettered a transaction whose local transaction was still running
+    after check_max restarts, not check_max intervals. Its last check is known by its check record's time (the
+    first restart, no snapshot since) and by the snapshot's (the second: a clean stop writes one)."""
+    flags = (*FLAGS, "--transaction-timeout-ms", "500")     # an interval of 60 s: no check is due for the test
+    b = broker_factory(*flags)
+    listener = Listener(answer=S.UNKNOW)
+    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        await producer.send_in_transaction(TOPIC, b"in doubt")
+        await listener.until_asked(1)
+        for crash in (True, False):
+            b.kill() if crash else b.stop()
+            b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+            # The producer is back once it heartbeats: a check due at once goes out then (its deferral ends).
+            assert await producer.heartbeat()
+            (row,) = (await _listed(b))["pending"]
+            assert row["owner"] == producer.client_id, row
+            assert row["checks"] == 1 and row["next_check_in_ms"] > 30_000, row
+        assert len(listener.asked) == 1, f"{len(listener.asked) - 1} checks spent by two restarts"
+    finally:
+        await producer.shutdown()
+
+
+@bounded(120)
 async def test_immunity_runs_from_the_store_time_across_a_crash_not_from_the_restart(broker_factory):
     """A half's first check is due its immunity (CHECK_IMMUNITY_TIME_IN_SECONDS, else the timeout) after it was
     stored, before a crash and after it: recovery must not start the immunity again, nor cut it short. The

@@ -112,3 +112,42 @@ async def test_check_skips_a_connection_that_unregistered_the_group(broker_facto
     finally:
         leaver.close()
         stayer.close()
+
+
+@bounded(30)
+async def test_a_check_in_flight_to_a_producer_that_unregisters_is_asked_again_of_the_group_at_once(broker_factory):
+    """A check sent to the half's producer, which then unregisters its group on a connection that stays open (the
+    Java client drops a check for a group it has left, answered or not): the check will never be answered. It was
+    taken as lost only when it came due again, a whole interval later (60 s here; the test's deadline is 30 s),
+    while another producer of the group could have answered at once; a closed connection's check is asked again
+    at once (core.channel_closed), and so is this one now (core.producer_left)."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "500")
+    host, _, port = b.broker.rpartition(":")
+    gone, other = Checked(answers=False), Checked(answers=True)
+    leaver = await open_connection(host, int(port), gone)
+    stayer = await open_connection(host, int(port), other)
+    try:
+        created = await leaver.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        assert (await leaver.request(_heartbeat("leaver", [GROUP], ["CG_same_process"]), 5)).code == 0
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+        sent = await leaver.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                            b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        await gone.asked.wait()         # its first check, to its sender: in flight, unanswered
+        left = await leaver.request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
+            "clientID": "leaver", "producerGroup": GROUP}), 5)
+        assert left.code == ResponseCode.SUCCESS
+        assert (await stayer.request(_heartbeat("stayer", [GROUP]), 5)).code == 0
+        await other.asked.wait()        # asked at once (it commits), not an interval later
+        assert len(gone.checks) == 1, gone.checks
+        pulled = await stayer.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+            "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+            "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
+            "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
+        assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+    finally:
+        leaver.close()
+        stayer.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -79,6 +80,25 @@ async def test_a_snapshot_with_a_malformed_pending_list_is_rebuilt_from_the_log(
     b.start()
     assert await _pending_groups(b) == ["PG_snap"]
     assert "pending list is malformed" in b.log()
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "1" * 5000])
+async def test_a_snapshot_with_a_hostile_checked_time_starts_and_keeps_the_well_formed_ones(broker_factory, key):
+    """The snapshot's "checked" ({wall ms: [half offsets]}) took any key str.isdigit() accepts: a superscript
+    digit, or 5,000 digits (past int()'s limit), raised ValueError out of recovery and the broker did not start
+    (a snapshot without a "crc" key, an older txmq's, is read unchecked). Such a key is left out, as any other
+    malformed entry; a well-formed one still puts the next check an interval after it."""
+    b = broker_factory(*QUIET)
+    path, snap = await _stopped_with_one_undecided(b, "PG_checked")
+    ((off, q, _checks),) = snap["pending"]
+    snap.pop("crc", None)
+    now_ms = time.time_ns() // 1_000_000
+    path.write_text(json.dumps({**snap, "pending": [[off, q, 1]], "checked": {key: [off], str(now_ms): [off]}}))
+    b.start()
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    (row,) = listed["pending"]
+    assert row["group"] == "PG_checked" and row["checks"] == 1, row
+    assert row["next_check_in_ms"] > 30_000, row                # the well-formed entry: an interval after it
 
 
 async def test_a_segment_manifest_with_entries_that_are_not_objects_is_recomputed(broker_factory):

@@ -1334,6 +1334,46 @@ async def test_a_slave_restarted_as_the_master_checks_the_transactions_its_maste
         await pool.close()
 
 
+async def test_a_slave_restarted_as_the_master_spends_no_check_of_what_its_master_checked(broker_factory):
+    """A promotion is a restart (4.x): the next check of a transaction is an interval after its last one, known on
+    the slave by the check record it copied (its snapshot is its start's, from before the check). Due at once, the
+    promotion spent a check of every transaction its master had just checked, once a producer of its group came."""
+    from tests.fault.test_transactions_crash import Listener
+    from tests.fault.test_transactions_crash import _listed
+    from producer import LocalTransactionState, TransactionProducer
+
+    flags = ("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "500")
+    master = broker_factory("--broker-role", "ASYNC_MASTER", "--ha-port", "0", "--ha-heartbeat-interval-ms", "500",
+                            *flags, store="master")
+    slave = _slave(broker_factory, master)
+    pool = ConnectionPool()
+
+    async def log_end(b):
+        info = await pool.request(b.broker, RemotingCommand.request(RequestCode.GET_BROKER_RUNTIME_INFO), 5.0)
+        return int(json.loads(info.body_bytes())["table"]["commitLogMaxOffset"])
+    listener = Listener(answer=LocalTransactionState.UNKNOW)
+    try:
+        async with asyncio.timeout(60):
+            async with TransactionProducer(master.namesrv, "PG_promoted_checked", listener) as producer:
+                await producer.send_in_transaction(TOPIC, b"in doubt")
+                await listener.until_asked(1)
+                while (await _listed(master))["pending"][0]["checks"] < 1:
+                    await asyncio.sleep(0.05)
+            while await log_end(slave) < await log_end(master):     # the check record copied
+                await asyncio.sleep(0.05)
+            master.kill()
+            assert slave.stop() == 0
+            promoted = broker_factory("--broker-role", "ASYNC_MASTER", *flags, store="slave")
+            # A producer of the group here (with none, a transaction due is deferred an interval: no check spent)
+            async with TransactionProducer(promoted.namesrv, "PG_promoted_checked", listener) as producer:
+                assert await producer.heartbeat()
+                (row,) = (await _listed(promoted))["pending"]
+                assert row["checks"] == 1 and row["next_check_in_ms"] > 30_000, row
+            assert len(listener.asked) == 1, listener.asked
+    finally:
+        await pool.close()
+
+
 async def test_a_slave_copies_nothing_from_a_master_whose_log_is_not_the_one_it_copied(tmp_path):
     """The master comes back at its HA address with another store (its own lost): the slave refuses its log and
     keeps its own, for consumers to fail over to. Its sync took the new master's table all the same, empty of the

@@ -50,3 +50,35 @@ async def test_a_sender_that_left_on_an_open_connection_is_not_asked_when_alone(
         assert first.checks == [] and all(not t.checks for t in txs)
     finally:
         await ctx.store._store.close()
+
+
+@pytest.mark.asyncio
+@bounded(60)
+async def test_a_producer_that_leaves_while_its_check_record_is_written_is_not_sent_it(tmp_path):
+    """UNREGISTER_CLIENT arriving while a check's record is being written (the check chosen for that connection,
+    not sent yet): producer_left only gave the slot back, then the check went out on the open connection to a
+    producer that had left (the Java client drops it) and waited a whole interval, as before the unregistration
+    was taken as losing the group's checks. A closed connection's send fails and is asked again at once; so now."""
+    ctx, clock, (t,) = await storm(tmp_path, 1)
+    tx = ctx.tx
+    leaver, other = Producer("127.0.0.1:1"), Producer("P-other")
+    t.owner = leaver
+    ctx.clients.add_producer("PG", leaver, "127.0.0.1:1")
+    put_many = ctx.store.put_many
+
+    async def unregistered_meanwhile(*args, **kwargs):
+        ctx.store.put_many = put_many
+        ctx.clients.unregister(leaver, "PG", None)          # as processors/client.py's UNREGISTER_CLIENT
+        assert ctx.clients.left_group(leaver, "PG")
+        tx.producer_left(leaver, "PG")
+        ctx.clients.add_producer("PG", other, "P-other")
+        return await put_many(*args, **kwargs)
+    ctx.store.put_many = unregistered_meanwhile
+    try:
+        await tx.run_due(clock.now)
+        if not other.checks:
+            await tx.run_due(clock.now)                      # (the same pass, or the next at the same time)
+        assert leaver.checks == [] and len(other.checks) == 1, (len(leaver.checks), t.next_check - clock.now)
+        assert t.checks == 2 and ctx.metrics.checks_lost.labels("PG")._value.get() == 1
+    finally:
+        await ctx.store._store.close()

@@ -373,6 +373,22 @@ def test_a_check_lost_with_its_connection_is_due_at_once_and_still_counted():
     assert s.checks_sent == [1, 1] and tx.checks == 2 and tx.unanswered == 1
 
 
+def test_a_group_unregistered_on_an_open_connection_loses_its_checks_there_and_only_its_own():
+    """UNREGISTER_CLIENT of one producer group on a connection that stays open: that group's check there is due at
+    once (as a closed connection's), counted unanswered; another group's check on the same connection keeps its slot."""
+    s = Shell()
+    left, stays = s.half(1, group="PG"), s.half(2, group="PG_other")
+    s.tick(IMMUNITY)
+    assert sorted(s.checks_sent) == [1, 2] and s.core.in_flight("conn") == 2
+    s.now += 10
+    assert s.core.producer_left("conn", "PG", s.now) == [left]
+    assert s.core.in_flight("conn", "PG") == 0 and s.core.in_flight("conn", "PG_other") == 1
+    assert left.next_check == s.now and stays.next_check > s.now and stays.check_channel == "conn"
+    assert s.core.producer_left("conn", "PG", s.now) == []      # nothing held twice
+    s.tick(0)
+    assert left.checks == 2 and left.unanswered == 1 and stays.checks == 1
+
+
 def test_a_producer_that_closes_its_connection_in_a_loop_spends_one_extra_check_per_scheduled_one():
     """A re-ask lost with its connection again waits its schedule: a producer that reconnects and closes in a
     loop (or a proxy cutting connections) had each close ask again at once and dead-lettered the transaction,

@@ -350,6 +350,16 @@ def test_snapshot_owners_are_read_as_far_as_they_are_well_formed():
                                                                                           30: "c@3"}
 
 
+def test_snapshot_checked_times_are_read_as_far_as_they_are_well_formed():
+    """An older txmq's snapshot has no "checked"; a malformed entry (a key int() refuses though str.isdigit()
+    accepts it, an offset not an int) costs only its own transactions' last-check times, never the start-up."""
+    from broker.transaction.recovery import _checked
+    assert _checked({"pending": []}) == {}
+    assert _checked({"checked": [1, 2]}) == {}
+    assert _checked({"checked": {"\u00b2": [1], "1" * 5000: [2], "-5": [3], "x": [4], "1700000000000": [5, "6", True],
+                                 "1700000000001": "7"}}) == {5: 1_700_000_000_000}
+
+
 @bounded(30)
 async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapshot(tmp_path):
     """The snapshot names each sender; a half stored after it (and checked before the crash) is named by its
@@ -369,6 +379,32 @@ async def test_a_crash_keeps_the_sender_of_a_half_checked_after_the_last_snapsho
         assert owners == {before.half_offset: "10.0.0.7@1", after.half_offset: "10.0.0.7@2",
                           unchecked.half_offset: ""}   # stored and never checked since the snapshot: not known
         assert ctx2.tx.pending[after.half_offset].checks == 1
+    finally:
+        await ctx2.store._store.close()
+
+
+@bounded(30)
+async def test_a_last_check_ahead_of_a_wall_clock_stepped_back_delays_the_next_by_one_interval_at_most(tmp_path):
+    """The next check after a restart is an interval after the last one, by the wall clock (a check record's store
+    time, the snapshot's "checked"): a check stamped a day ahead of the clock a restart finds (stepped back since)
+    must not hold its next check a day and an interval, nor for ever. As a half's store time ahead (tx.stored_at),
+    it is taken as made at the restart: the next check one interval on (1000 ms here)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    snapped, logged = await add_half(ctx, b"in the snapshot"), await add_half(ctx, b"by its check record")
+    day = 86_400_000
+    clock.now += day                                # the wall clock a day ahead while they were checked
+    snapped.checks, snapped.checked_at = 1, clock.now
+    await ctx.tx.write_snapshot()
+    rf = ctx.tx.records
+    assert (await ctx.store.put(rf.check(logged.half_offset, logged.queue_offset, 1, ""))).ok
+    await ctx.store._store.close()                  # crash
+    clock.now -= day                                # stepped back
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        for half in (snapped, logged):
+            t = ctx2.tx.pending[half.half_offset]
+            assert t.checks == 1 and clock.now < t.next_check <= clock.now + 1000, t.next_check - clock.now
     finally:
         await ctx2.store._store.close()
 
