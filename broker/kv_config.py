@@ -11,8 +11,6 @@ that cannot be read is read from its previous copy, and start-up stops when neit
 """
 from __future__ import annotations
 
-import asyncio
-import heapq
 import logging
 import os
 import threading
@@ -20,7 +18,7 @@ import threading
 from protocol.admin_bodies import dump
 
 from .retried_save import RetriedSave
-from .slices import in_slices, stop_if_gone
+from .slices import in_slices, sorted_in_slices, stop_if_gone
 from .store.saved import check, load_saved, save
 
 log = logging.getLogger("txmq.kvconfig")
@@ -104,31 +102,11 @@ async def dump_in_slices(table: dict[str, dict[str, str]], conn=None) -> str:
     out = []
     for name in sorted(table):
         kv, members = table[name], []
-        async for part in in_slices(await _sorted_in_slices(kv, conn), KEY_SLICE):
+        async for part in in_slices(await sorted_in_slices(kv, KEY_SLICE, conn), KEY_SLICE):
+            stop_if_gone(conn)
             members.append(dump({key: kv[key] for key in part})[1:-1])
-            await _turn(conn)
         out.append(f"{dump(name)}:{{{','.join(members)}}}")
     return f"{{{','.join(out)}}}"
-
-
-async def _sorted_in_slices(names, conn) -> list[str]:
-    """sorted(names), KEY_SLICE of them sorted a turn of the loop, then merged KEY_SLICE a turn."""
-    runs = []
-    async for part in in_slices(names, KEY_SLICE):
-        runs.append(sorted(part))
-        await _turn(conn)
-    if len(runs) < 2:
-        return runs[0] if runs else []
-    merged = []
-    async for part in in_slices(heapq.merge(*runs), KEY_SLICE):
-        merged += part
-        await _turn(conn)
-    return merged
-
-
-async def _turn(conn) -> None:
-    await asyncio.sleep(0)
-    stop_if_gone(conn)
 
 
 def _size(namespace: str, key: str, value: str) -> int:

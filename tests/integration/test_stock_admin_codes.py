@@ -514,7 +514,7 @@ async def test_kv_config_holds_at_most_its_limit(broker):
 @bounded(60)
 async def test_a_full_kv_namespace_is_listed_and_saved_whole_over_tcp(broker_factory, tmp_path):
     """A namespace of many short keys is listed, and saved at a PUT, a slice of keys at a time (encoded whole, a full
-    table held the loop about a second each time: bench/bench_kv_holds.py): the answer and the file must still be
+    table held the loop about a second each time: bench/bench_config_holds.py): the answer and the file must still be
     the whole table, sorted, as before."""
     from broker.kv_config import KEY_SLICE
     from protocol.admin_bodies import dump

@@ -1,7 +1,6 @@
 """broker.kv_config.KvConfig: RocketMQ's kvConfig.json, written whole, its previous copy used when it is damaged."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import types
@@ -14,7 +13,7 @@ from protocol.admin_bodies import dump
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.errors import StoreError
-from tests.support.loop_turns import turns_while
+from tests.support.loop_turns import turns_before_hand_off, turns_while
 
 
 def _saved(kv: KvConfig) -> None:
@@ -79,29 +78,14 @@ def _full_table(kv: KvConfig, keys: int) -> None:
 async def test_a_large_table_is_saved_encoded_a_slice_of_keys_at_a_time_as_it_was_when_the_save_began(tmp_path,
                                                                                                    monkeypatch):
     # Encoded whole at each PUT_KV_CONFIG's save, a table of MAX_BYTES in short keys (100,000) held the event loop
-    # about a second on a loaded host (bench/bench_kv_holds.py). The same bytes now, KEY_SLICE keys a turn, of the
+    # about a second on a loaded host (bench/bench_config_holds.py). The same bytes now, KEY_SLICE keys a turn, of the
     # table as it was when the save began: a change made meanwhile is its own save's.
     kv = KvConfig(str(tmp_path / "kvConfig.json"))
     _full_table(kv, 6 * KEY_SLICE + 5)
     whole, counter = kv.encode(), kv.counter
-    loop, turns, handed = asyncio.get_running_loop(), [0], []
-    real = loop.run_in_executor
-    # (the turns counted up to the write's hand-off to its thread: its wait there is no part of the encoding)
-    monkeypatch.setattr(loop, "run_in_executor", lambda executor, write, data, at: (
-        handed.append((data, at, turns[0])), real(executor, write, data, at))[1])
-
-    async def other_work():
-        await asyncio.sleep(0)
-        kv.put("ns", "late", "x")
-        while not handed:
-            turns[0] += 1
-            await asyncio.sleep(0)
-    other = asyncio.ensure_future(other_work())
-    await kv.save()
-    await other
-    [(data, at, turns_before)] = handed
+    data, at, turns = await turns_before_hand_off(monkeypatch, kv.save, lambda: kv.put("ns", "late", "x"))
     assert (data, at) == (whole, counter)
-    assert turns_before >= 6 * 3                # (sorted, merged and written a slice at a time)
+    assert turns >= 6 * 3                # (sorted, merged and written a slice at a time)
     assert json.loads(data) == {"configTable": {ns: {k: v for k, v in kv.table[ns].items() if k != "late"}
                                                 for ns in kv.table}}
     assert KvConfig(kv.path).table["ns"].get("late") is None and kv.get("ns", "late") == "x"
