@@ -29,8 +29,9 @@ FILE_NAME = "kvConfig.json"
 # server keeps it there) and made every change write gigabytes. mqadmin's use is small: an order config a topic.
 MAX_BYTES = 4 * 1024 * 1024
 # Keys sorted or written out in one turn of the event loop. Written whole, a table of MAX_BYTES in short keys
-# (100,000) held the loop 130-190 ms at each PUT_KV_CONFIG's save and each GET_KVLIST_BY_NAMESPACE (its sort alone
-# 115 ms), every other client waiting, and anyone who reaches a name server may send them back to back.
+# (100,000) held the loop at each PUT_KV_CONFIG's save and each GET_KVLIST_BY_NAMESPACE, every other client waiting
+# (130-190 ms encoding on a quiet host, 1-2 s on a loaded one: bench/bench_config_holds.py), and anyone who reaches
+# a name server may send them back to back.
 KEY_SLICE = 2048
 
 

@@ -200,7 +200,7 @@ class SubscriptionGroups(RetriedSave):
     async def _encoded(self) -> tuple[bytes, int]:
         """(RetriedSave) ``encode()``'s bytes a slice of groups at a time, of the table as it was when the save
         began: encoded whole on the loop, 50,000 groups held it about a second at each update's save on a loaded
-        host (bench/bench_config_holds.py --groups), and anyone may send UPDATE_AND_CREATE_SUBSCRIPTIONGROUP back to
+        host (bench/bench_config_holds.py), and anyone may send UPDATE_AND_CREATE_SUBSCRIPTIONGROUP back to
         back. (An update replaces a group's dict, never changes it: a copy of the table is the table then.)"""
         counter = self.counter
         parts = await _table_in_slices(dict(self.groups), (counter, self.timestamp), frozenset())
@@ -222,9 +222,11 @@ async def _table_in_slices(groups: dict[str, dict], version: tuple[int, int], kn
     """SubscriptionGroups.encode's bytes in parts, GROUP_SLICE groups at a time, the loop running between two."""
     head = dump({"counter": version[0], "timestamp": version[1]})
     names = await sorted_in_slices({*SYSTEM_GROUPS, *known, *groups}, GROUP_SLICE * 4, conn)
-    return await members_in_slices(
-        f'{{"dataVersion":{head},"subscriptionGroupTable":{{', names, GROUP_SLICE, lambda names: dump({name: groups.get(name) or group_config(name) for name in names})[1:-1],
-        ",", "}}", conn)
+
+    def members(part) -> str:
+        return dump({name: groups.get(name) or group_config(name) for name in part})[1:-1]
+    return await members_in_slices(f'{{"dataVersion":{head},"subscriptionGroupTable":{{', names, GROUP_SLICE,
+                                   members, ",", "}}", conn)
 
 
 # Groups of the master's table read between two of read_group_table's steps (~20 us each).
