@@ -45,11 +45,12 @@ def get_kv_config(ctx, conn, cmd):
 
 async def get_kvlist_by_namespace(ctx, conn, cmd):
     namespace = cmd.str_field("namespace", required=True)
-    table = ctx.kv.table.get(namespace)
-    if not table:
+    if not ctx.kv.table.get(namespace):
         return cmd.response(ResponseCode.QUERY_NOT_FOUND, f"No config item, Namespace: {namespace}")
-    # (a slice of keys a turn of the loop: kv_config.KEY_SLICE)
-    return cmd.response(ResponseCode.SUCCESS, body=(await dump_in_slices({"table": dict(table)}, conn)).encode())
+    # (a slice of keys a turn of the loop: kv_config.KEY_SLICE; the namespace as it was when the answer began)
+    with ctx.kv.frozen(namespace) as table:
+        body = await dump_in_slices({"table": table[namespace]}, conn)
+    return cmd.response(ResponseCode.SUCCESS, body=body.encode())
 
 
 async def _saved(ctx, cmd, done: str):
