@@ -1,6 +1,7 @@
 """broker.kv_config.KvConfig: RocketMQ's kvConfig.json, written whole, its previous copy used when it is damaged."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import types
@@ -119,3 +120,26 @@ async def test_a_table_of_many_small_namespaces_is_saved_a_slice_at_a_time_too(t
     assert turns >= 6
     assert len(copied) < 100            # (not a copy of each namespace's keys as the save began)
     assert (kv.get("n1", "k"), kv.get("n2", "k2"), kv.get("n3", "k")) == ("changed", "added", None)
+
+
+async def test_get_kvlist_answers_the_namespace_as_it_began_and_stops_once_its_asker_is_gone(tmp_path):
+    kv = KvConfig(str(tmp_path / "kvConfig.json"))
+    _full_table(kv, 9 * KEY_SLICE)
+    then = dict(kv.table["ns"])
+    cmd = RemotingCommand(RequestCode.GET_KVLIST_BY_NAMESPACE, opaque=7, ext_fields={"namespace": "ns"})
+    answer = asyncio.ensure_future(get_kvlist_by_namespace(types.SimpleNamespace(kv=kv), None, cmd))
+    await asyncio.sleep(0)
+    kv.put("ns", "late", "x")
+    for key in list(then)[:10]:
+        kv.delete("ns", key)
+    resp = await asyncio.wait_for(answer, 30)
+    assert resp.body == dump({"table": then}).encode() and not kv._readers
+    assert "late" in kv.table["ns"] and len(kv.table["ns"]) == len(then) - 9
+
+    conn = types.SimpleNamespace(closed=asyncio.Event())
+    answer = asyncio.ensure_future(get_kvlist_by_namespace(types.SimpleNamespace(kv=kv), conn, cmd))
+    await asyncio.sleep(0)
+    conn.closed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(answer, 30)
+    assert not kv._readers          # (else every later change copied its namespace for a reader long gone)
