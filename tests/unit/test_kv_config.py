@@ -143,3 +143,17 @@ async def test_get_kvlist_answers_the_namespace_as_it_began_and_stops_once_its_a
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(answer, 30)
     assert not kv._readers          # (else every later change copied its namespace for a reader long gone)
+
+
+async def test_a_save_behind_a_hung_write_is_refused_before_the_table_is_encoded(tmp_path, monkeypatch):
+    # Behind a write that hangs (a stopped NFS) a save is refused at once, "not saved": the sliced encode ran first,
+    # the whole table encoded a slice at a time (a second or more for a full one on a loaded host) for nothing at
+    # each change and each 5 s retry, its answer that much later.
+    kv = KvConfig(str(tmp_path / "kvConfig.json"))
+    _full_table(kv, 3 * KEY_SLICE)
+    kv.write_hung, encodes, real = True, [], kv._encoded
+    monkeypatch.setattr(kv, "_encoded", lambda: (encodes.append(1), real())[1])
+    with pytest.raises(OSError, match="has not ended"):
+        await kv.save()
+    kv._retry.cancel()
+    assert encodes == []
