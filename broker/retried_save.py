@@ -46,8 +46,10 @@ class RetriedSave:
         return self.encode(), self.counter
 
     async def _write_within(self) -> None:
+        if self.write_hung:     # not one more thread stuck behind it, nor the table encoded for nothing
+            raise self._hung_error()
         data, counter = await self._encoded()
-        if self.write_hung:     # not one more thread stuck behind it
+        if self.write_hung:     # (hung while it was encoded, a slice at a time)
             raise self._hung_error()
         # A future of the thread's, not a task: the loop's end cancels every task, and the write's, cancelled, was
         # said to have ended ("the write that hung has ended") while it still hung, the gauge back to 0.
