@@ -34,8 +34,10 @@ MAX_BYTES = 4 * 1024 * 1024
 # Keys sorted or written out in one turn of the event loop. Written whole, a table of MAX_BYTES in short keys
 # (100,000) held the loop at each PUT_KV_CONFIG's save and each GET_KVLIST_BY_NAMESPACE, every other client waiting
 # (130-190 ms encoding on a quiet host, 1-2 s on a loaded one: bench/bench_config_holds.py), and anyone who reaches
-# a name server may send them back to back.
-KEY_SLICE = 2048
+# a name server may send them back to back. 512, not 2,048: another client's median SEND while GET_KVLIST_BY_NAMESPACE
+# answers a full namespace 10 ms, not 22 (two runs each of bench_config_holds --asks 5), the answers no slower within
+# this host's noise; 8,192 doubled the worst SEND and loop lag (409 and 145 ms, not 183 and 52).
+KEY_SLICE = 512
 
 
 class KvConfig(RetriedSave):
