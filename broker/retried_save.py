@@ -40,12 +40,20 @@ class RetriedSave:
                 self._retry = asyncio.get_running_loop().create_task(self._write_again())
             raise
 
+    async def _encoded(self) -> tuple[bytes, int]:
+        """The table's bytes and the counter they were taken at (a table that may be large encodes it a slice at
+        a time, the loop running between two)."""
+        return self.encode(), self.counter
+
     async def _write_within(self) -> None:
-        if self.write_hung:     # not one more thread stuck behind it
+        if self.write_hung:     # not one more thread stuck behind it, nor the table encoded for nothing
+            raise self._hung_error()
+        data, counter = await self._encoded()
+        if self.write_hung:     # (hung while it was encoded, a slice at a time)
             raise self._hung_error()
         # A future of the thread's, not a task: the loop's end cancels every task, and the write's, cancelled, was
         # said to have ended ("the write that hung has ended") while it still hung, the gauge back to 0.
-        write = asyncio.get_running_loop().run_in_executor(None, self.write, self.encode(), self.counter)
+        write = asyncio.get_running_loop().run_in_executor(None, self.write, data, counter)
         self._writes += 1
         write.add_done_callback(self._write_ended)
         try:

@@ -25,7 +25,7 @@ from protocol.message import validate_group
 from protocol.txlog import PROGRESS_GROUP
 
 from .retried_save import RetriedSave
-from .slices import members_in_slices
+from .slices import members_in_slices, sorted_in_slices
 from .store.saved import check, load_saved, save
 from .topics import version_taken
 
@@ -76,7 +76,7 @@ class SubscriptionGroups(RetriedSave):
         self._saved_counter = self.counter     # the newest table on disk (write)
         # (version, known groups, body parts) of the last whole encode_in_slices: a slave asks every 10 s, and
         # the same table encoded again each time cost the master 200-250 ms of CPU at 50,000 groups
-        self._encoded: tuple | None = None
+        self._answered: tuple | None = None
 
     def _load(self) -> None:
         # The previous save: without it the next update would replace the damaged (or lost) file for good, every
@@ -190,16 +190,21 @@ class SubscriptionGroups(RetriedSave):
         Stopped once ``conn`` (the asker's) is gone (members_in_slices). The parts of the last whole one again while
         neither the version (every change of ``groups`` moves it) nor the known groups changed."""
         version, known = (self.counter, self.timestamp), frozenset(known_groups)
-        if self._encoded is not None and self._encoded[:2] == (version, known):
-            return self._encoded[2]
-        head = dump({"counter": self.counter, "timestamp": self.timestamp})
-        parts = await members_in_slices(
-            f'{{"dataVersion":{head},"subscriptionGroupTable":{{', sorted({*SYSTEM_GROUPS, *known, *self.groups}),
-            GROUP_SLICE, lambda names: dump({name: self.groups.get(name) or group_config(name) for name in names})[1:-1],
-            ",", "}}", conn)
+        if self._answered is not None and self._answered[:2] == (version, known):
+            return self._answered[2]
+        parts = await _table_in_slices(self.groups, version, known, conn)
         if (self.counter, self.timestamp) == version:    # (not a table changed while it was written)
-            self._encoded = (version, known, parts)
+            self._answered = (version, known, parts)
         return parts
+
+    async def _encoded(self) -> tuple[bytes, int]:
+        """(RetriedSave) ``encode()``'s bytes a slice of groups at a time, of the table as it was when the save
+        began: encoded whole on the loop, 50,000 groups held it about a second at each update's save on a loaded
+        host (bench/bench_config_holds.py), and anyone may send UPDATE_AND_CREATE_SUBSCRIPTIONGROUP back to
+        back. (An update replaces a group's dict, never changes it: a copy of the table is the table then.)"""
+        counter = self.counter
+        parts = await _table_in_slices(dict(self.groups), (counter, self.timestamp), frozenset())
+        return b"".join(parts), counter
 
     def write(self, data: bytes, counter: int | None = None) -> None:
         """Blocking (fsync, rename): call it off the loop. ``counter``: the one ``data`` was encoded at; two
@@ -211,6 +216,17 @@ class SubscriptionGroups(RetriedSave):
             save(self.path, data)
             if counter is not None:
                 self._saved_counter = counter
+
+
+async def _table_in_slices(groups: dict[str, dict], version: tuple[int, int], known, conn=None) -> list[bytes]:
+    """SubscriptionGroups.encode's bytes in parts, GROUP_SLICE groups at a time, the loop running between two."""
+    head = dump({"counter": version[0], "timestamp": version[1]})
+    names = await sorted_in_slices({*SYSTEM_GROUPS, *known, *groups}, GROUP_SLICE * 4, conn)
+
+    def members(part) -> str:
+        return dump({name: groups.get(name) or group_config(name) for name in part})[1:-1]
+    return await members_in_slices(f'{{"dataVersion":{head},"subscriptionGroupTable":{{', names, GROUP_SLICE,
+                                   members, ",", "}}", conn)
 
 
 # Groups of the master's table read between two of read_group_table's steps (~20 us each).

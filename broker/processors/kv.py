@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from protocol.admin_bodies import dump
 from protocol.codes import ResponseCode
 
-from ..kv_config import MAX_BYTES
+from ..kv_config import MAX_BYTES, dump_in_slices
 
 log = logging.getLogger("txmq.kvconfig")
 
@@ -44,12 +43,14 @@ def get_kv_config(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS, ext_fields={"value": value})
 
 
-def get_kvlist_by_namespace(ctx, conn, cmd):
+async def get_kvlist_by_namespace(ctx, conn, cmd):
     namespace = cmd.str_field("namespace", required=True)
-    table = ctx.kv.table.get(namespace)
-    if not table:
+    if not ctx.kv.table.get(namespace):
         return cmd.response(ResponseCode.QUERY_NOT_FOUND, f"No config item, Namespace: {namespace}")
-    return cmd.response(ResponseCode.SUCCESS, body=dump({"table": table}).encode())
+    # (a slice of keys a turn of the loop: kv_config.KEY_SLICE; the namespace as it was when the answer began)
+    with ctx.kv.frozen(namespace) as table:
+        body = await dump_in_slices({"table": table[namespace]}, conn)
+    return cmd.response(ResponseCode.SUCCESS, body=body.encode())
 
 
 async def _saved(ctx, cmd, done: str):

@@ -512,6 +512,29 @@ async def test_kv_config_holds_at_most_its_limit(broker):
 
 
 @bounded(60)
+async def test_a_full_kv_namespace_is_listed_and_saved_whole_over_tcp(broker_factory, tmp_path):
+    """A namespace of many short keys is listed, and saved at a PUT, a slice of keys at a time (encoded whole, a full
+    table held the loop about a second each time: bench/bench_config_holds.py): the answer and the file must still be
+    the whole table, sorted, as before."""
+    from broker.kv_config import KEY_SLICE
+    from protocol.admin_bodies import dump
+
+    keys = 5 * KEY_SLICE + 7
+    table = {f"T{i * 7919 % keys}é": f"broker-a:{i % 16}" for i in range(keys)}       # (in no sorted order)
+    (tmp_path / "store" / "config").mkdir(parents=True)
+    (tmp_path / "store" / "config" / "kvConfig.json").write_text(
+        json.dumps({"configTable": {ORDER: table, "other": {"k": "v"}}}), encoding="utf-8")
+    b = broker_factory()
+    listed = await request(b.namesrv, R.GET_KVLIST_BY_NAMESPACE, {"namespace": ORDER})
+    assert listed.code == ResponseCode.SUCCESS and listed.body_bytes() == dump({"table": table}).encode()
+    put = await request(b.namesrv, R.PUT_KV_CONFIG, {"namespace": ORDER, "key": "New", "value": "broker-b:4"})
+    assert put.code == ResponseCode.SUCCESS, put.remark
+    table["New"] = "broker-b:4"
+    saved = (tmp_path / "store" / "config" / "kvConfig.json").read_bytes()
+    assert saved == dump({"configTable": {ORDER: table, "other": {"k": "v"}}}).encode()
+
+
+@bounded(60)
 async def test_the_kept_group_table_answer_follows_consumers_and_offsets_over_tcp(broker):
     """The master gives its last whole GET_ALL_SUBSCRIPTIONGROUP_CONFIG again while the table and the known groups
     are unchanged; the body also lists groups known only from a consumer's heartbeat or an offset commit, so a

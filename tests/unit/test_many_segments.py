@@ -5,7 +5,6 @@ the history it leaves behind, or a retention pass over months of segments blocks
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import threading
@@ -14,6 +13,7 @@ import types
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store.consume_queue import ConsumeQueue
 from broker.store.manifest import SegmentFacts, read_manifest, write_manifest
+from tests.support.loop_turns import turns_while
 
 QUEUES = 40
 PER_QUEUE = 64
@@ -83,25 +83,6 @@ async def _server_with_offsets(tmp_path, n):
     return server
 
 
-async def _turns_while(awaitable):
-    """(its result, how many times another task ran meanwhile)."""
-    turns, done = 0, False
-
-    async def other_work():
-        nonlocal turns
-        while not done:
-            turns += 1
-            await asyncio.sleep(0)
-    other = asyncio.ensure_future(other_work())
-    await asyncio.sleep(0)
-    before = turns
-    try:
-        return await awaitable, turns - before
-    finally:
-        done = True
-        await other
-
-
 async def test_the_lag_of_many_consumer_offsets_is_summed_in_slices_the_loop_runs_between(tmp_path):
     # Months of consumer groups: tens of thousands of offsets. Summed in one go every second, they held the
     # loop for as long as that took; the gauge loop now yields between slices, and sums the same.
@@ -109,7 +90,7 @@ async def test_the_lag_of_many_consumer_offsets_is_summed_in_slices_the_loop_run
 
     server = await _server_with_offsets(tmp_path, 3 * server_mod.LAG_SLICE + 5)
     try:
-        totals, turns = await _turns_while(server._lag_in_slices(server.ctx.offsets.items()))
+        totals, turns = await turns_while(server._lag_in_slices(server.ctx.offsets.items()))
         assert turns >= 3                                        # a turn between each two of the 4 slices
         assert [sorted(rows) for rows in totals] == [sorted(rows) for rows in server._lag_by_group_topic()]
         assert sum(lag for _k, lag in totals[0]) > 0
@@ -133,7 +114,7 @@ async def test_a_metric_snapshot_of_many_consumer_offsets_is_built_in_slices_and
         return dumps(obj, **kw)
     monkeypatch.setattr(metrics_mod, "json", types.SimpleNamespace(dumps=recording))
     try:
-        path, turns = await _turns_while(server.write_snapshot(str(tmp_path / "s")))
+        path, turns = await turns_while(server.write_snapshot(str(tmp_path / "s")))
         assert turns >= 3
         assert encoded and all(t != loop_thread and n <= metrics_mod._ROWS_A_CALL for t, n in encoded)
         monkeypatch.undo()
