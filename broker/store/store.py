@@ -36,6 +36,7 @@ from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_c
                        read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
                        write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
 from .saved import retrieved
@@ -341,7 +342,11 @@ class MessageStore:
 
     def _load_queues(self, durable_below: int | None) -> None:
         size = self.config.cq_file_size
-        for topic in sorted(os.listdir(self._cq_root)):
+        began = time.monotonic()
+        topics = sorted(os.listdir(self._cq_root))
+        progress = Progress("loading consume queues", len(topics), "topics")
+        for done, topic in enumerate(topics):
+            progress.step(done)
             tdir = os.path.join(self._cq_root, topic)
             if validate_topic(topic) is not None or not os.path.isdir(tdir):
                 continue
@@ -360,6 +365,8 @@ class MessageStore:
                         shutil.rmtree(os.path.join(tdir, qid), ignore_errors=True)
                         continue
                     self._cqs[(topic, int(qid))] = cq
+        log.info("loaded %d consume queues of %d topics in %.3f s", len(self._cqs), len(topics),
+                 time.monotonic() - began)
 
     def _settle_marks(self, first: int, end: int) -> None:
         """Deleted topics' marks past the recovered log's end (its tail cut, or lost with the power before it was

@@ -1,0 +1,53 @@
+"""A start on a big store says how far it has got: consume queues loaded, segments recovered."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store import progress
+from tests.support.bounded import bounded
+
+CFG = StoreConfig(segment_size=64 * 1024, cq_units_per_file=64)
+TOPICS = ("TA", "TB", "TC")
+
+
+def _said(caplog, pattern: str) -> list[tuple[int, int]]:
+    return [(int(m[1]), int(m[2])) for r in caplog.records if (m := re.search(pattern, r.getMessage()))]
+
+
+@bounded(60)
+async def test_a_start_says_how_many_queues_it_loaded_and_how_far_the_log_scan_has_got(tmp_path, caplog, monkeypatch):
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    reqs = [PutRequest.build(TOPICS[i % 3], b"x" * 2000, queue_id=i % 2) for i in range(120)]
+    assert all(r.ok for r in await asyncio.gather(*[store.put(r) for r in reqs]))
+    await store.close()
+    os.remove(tmp_path / "checkpoint")          # no checkpoint: the whole log is scanned
+    segments = len(os.listdir(tmp_path / "commitlog"))
+    assert segments >= 4
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)       # every step said (its pace is the clock's)
+    caplog.set_level(logging.INFO, logger="txmq.store")
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    await store.close()
+
+    assert report.records_scanned == 120
+    assert _said(caplog, r"loading consume queues: (\d+) of (\d+) topics") == [(n, 3) for n in range(3)]
+    assert _said(caplog, r"loaded (\d+) consume queues of (\d+) topics") == [(6, 3)]
+    assert _said(caplog, r"recovering the commit log from offset 0: (\d+) of (\d+) segments") == [
+        (n, segments) for n in range(segments)]
+
+
+def test_progress_is_said_at_most_every_every_s(caplog):
+    now = [0.0]
+    caplog.set_level(logging.INFO, logger="txmq.store")
+    p = progress.Progress("scanning", 13, "things", clock=lambda: now[0])
+    for done in range(13):
+        now[0] = float(done)
+        p.step(done)
+    assert [r.getMessage() for r in caplog.records] == ["scanning: 5 of 13 things (38%)",
+                                                        "scanning: 10 of 13 things (76%)"]
