@@ -16,13 +16,13 @@ EVERY_S = 5.0
 
 
 class Progress:
-    def __init__(self, what: str, total: int, unit: str, clock=time.monotonic):
-        self.what, self.total, self.unit, self.clock = what, total, unit, clock
+    def __init__(self, what: str, total: int, unit: str, logger: logging.Logger = log, clock=time.monotonic):
+        self.what, self.total, self.unit, self.log, self.clock = what, total, unit, logger, clock
         self._next = clock() + EVERY_S
 
     def step(self, done: int) -> None:
         now = self.clock()
         if now >= self._next:
             self._next = now + EVERY_S
-            log.info("%s: %d of %d %s (%d%%)", self.what, done, self.total, self.unit,
+            self.log.info("%s: %d of %d %s (%d%%)", self.what, done, self.total, self.unit,
                      100 * done // max(self.total, 1))

@@ -51,3 +51,28 @@ def test_progress_is_said_at_most_every_every_s(caplog):
         p.step(done)
     assert [r.getMessage() for r in caplog.records] == ["scanning: 5 of 13 things (38%)",
                                                         "scanning: 10 of 13 things (76%)"]
+
+
+@bounded(60)
+async def test_transaction_recovery_from_the_whole_log_says_how_far_it_has_read(tmp_path, caplog, monkeypatch):
+    from broker.transaction.records import COMMIT
+    from tests.unit.test_review_transactions import Clock, add_half, make_service
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    halves = [await add_half(ctx, f"h{i}".encode()) for i in range(600)]
+    for p in halves[:300]:
+        await ctx.tx.decide(p.half_offset, COMMIT, group="PG")
+    await ctx.store._store.close()            # a crash: no snapshot written
+    os.remove(os.path.join(ctx.store.store_dir, "transactions", "snapshot.json"))
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="txmq.transaction")
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        assert len(ctx2.tx.pending) == 300 and "from the whole log" in caplog.text
+        assert _said(caplog, r"reading RMQ_SYS_TRANS_HALF_TOPIC from queue offset 0: (\d+) of (\d+) records") == [
+            (0, 600), (256, 600), (512, 600)]
+        assert _said(caplog, r"reading RMQ_SYS_TRANS_OP_HALF_TOPIC from queue offset 0: (\d+) of (\d+) records") == [
+            (0, 300), (256, 300)]
+    finally:
+        await ctx2.store._store.close()
