@@ -85,13 +85,7 @@ async def test_a_store_whose_consume_queues_are_all_gone_rebuilds_them_from_the_
     recovery scanned only past the checkpoint, so only queues with a record there came back; every other
     message was unreachable, its groups' offsets lowered to 0, without a word (2 of 1,565 queues, 22,354 of
     162,002 messages on a store of 397 segments)."""
-    store = MessageStore(str(tmp_path), CFG)
-    await store.open()
-    for topic, n in (("OLD", 60), ("NEW", 200)):      # OLD's records all below the checkpoint's last segments
-        assert all(r.ok for r in await asyncio.gather(*[
-            store.put(PutRequest.build(topic, b"x" * 2000, queue_id=i % 2)) for i in range(n)]))
-    await store.close()
-    assert len(os.listdir(tmp_path / "commitlog")) > CFG.recovery_verify_segments + 2
+    await _old_and_new(tmp_path)
     shutil.rmtree(tmp_path / "consumequeue")
 
     caplog.set_level(logging.WARNING, logger="txmq.store")
@@ -101,5 +95,44 @@ async def test_a_store_whose_consume_queues_are_all_gone_rebuilds_them_from_the_
         assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
         assert report.scanned_from == 0
         assert "consumequeue/ holds no queue" in caplog.text
+    finally:
+        await store.close()
+
+
+async def _old_and_new(tmp_path) -> None:
+    """A closed store of two topics, OLD's records all below the segments a start verifies past the checkpoint."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    for topic, n in (("OLD", 60), ("NEW", 200)):
+        assert all(r.ok for r in await asyncio.gather(*[
+            store.put(PutRequest.build(topic, b"x" * 2000, queue_id=i % 2)) for i in range(n)]))
+    await store.close()
+    assert len(os.listdir(tmp_path / "commitlog")) > CFG.recovery_verify_segments + 2
+
+
+@bounded(60)
+async def test_a_power_loss_before_the_rebuilt_queues_are_checkpointed_rebuilds_them_again(tmp_path):
+    """The start that rebuilds every queue from the whole log left the old checkpoint on disk until its first
+    checkpoint: a power loss in between lost the new queue directories not yet fsynced (OLD's here) while the
+    old checkpoint still vouched for everything below it, so the next start scanned from it and OLD, with no
+    record past it, came back empty (0 of 30 per queue) with consumequeue/ no longer empty to say so."""
+    await _old_and_new(tmp_path)
+    shutil.rmtree(tmp_path / "consumequeue")
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    # the disk as a power loss right after that start leaves it: the checkpoint as it is now, OLD's new
+    # directory entry (fsynced only by the first checkpoint) gone
+    left = (tmp_path / "checkpoint").read_bytes() if (tmp_path / "checkpoint").exists() else None
+    await store.close()
+    if left is None:
+        os.remove(tmp_path / "checkpoint")
+    else:
+        (tmp_path / "checkpoint").write_bytes(left)
+    shutil.rmtree(tmp_path / "consumequeue" / "OLD")
+
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    try:
+        assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
     finally:
         await store.close()
