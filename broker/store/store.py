@@ -27,7 +27,7 @@ from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
 from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_timestamp_at
 
-from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import FILE_NAME as CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
@@ -185,6 +185,11 @@ class MessageStore:
                 log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
                             "every consume queue is rebuilt from the whole log (checkpoint not used)",
                             checkpoint.flushed_offset)
+                # ...and gone from the disk before the rebuild: until the first checkpoint after it flushes the
+                # rebuilt queues and their new directories, a power loss could lose some of them while the old
+                # one still vouched for the log below it (the next start then scanned from it: lost for good)
+                os.unlink(os.path.join(self.store_dir, CHECKPOINT_FILE))
+                fsync_dir(self.store_dir)
                 checkpoint = None
             self._load_queues(checkpoint.flushed_offset if checkpoint else None)
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
