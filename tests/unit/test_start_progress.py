@@ -136,3 +136,44 @@ async def test_a_power_loss_before_the_rebuilt_queues_are_checkpointed_rebuilds_
         assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
     finally:
         await store.close()
+
+
+@bounded(60)
+async def test_a_consumequeue_holding_no_queue_but_empty_topic_dirs_is_rebuilt_from_the_whole_log_too(tmp_path, caplog):
+    """The rebuild was taken only for a consumequeue/ with no entry at all: its queues removed but the topics'
+    directories kept (``rm -rf consumequeue/*/*``, a restore that made them), or a stray file beside them, and the
+    start scanned from the checkpoint as before: OLD came back empty (0 of 30 a queue) without a word."""
+    await _old_and_new(tmp_path)
+    for topic in ("OLD", "NEW"):
+        shutil.rmtree(tmp_path / "consumequeue" / topic)
+        os.mkdir(tmp_path / "consumequeue" / topic)
+    (tmp_path / "consumequeue" / ".DS_Store").write_bytes(b"")
+
+    caplog.set_level(logging.WARNING, logger="txmq.store")
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    try:
+        assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
+        assert report.scanned_from == 0 and "consumequeue/ holds no queue" in caplog.text
+    finally:
+        await store.close()
+
+
+@bounded(60)
+async def test_a_store_whose_topics_were_all_deleted_starts_from_its_checkpoint(tmp_path, caplog):
+    """Its consumequeue/ holds the deleted topics' marks and no queue: nothing to rebuild, no whole-log scan."""
+    await _old_and_new(tmp_path)
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    for topic in ("OLD", "NEW"):
+        await store.delete_topic(topic)
+    await store.close()
+
+    caplog.set_level(logging.WARNING, logger="txmq.store")
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    try:
+        assert report.scanned_from > 0 and "consumequeue/ holds no queue" not in caplog.text
+        assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [0, 0, 0, 0]
+    finally:
+        await store.close()
