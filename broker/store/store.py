@@ -179,8 +179,10 @@ class MessageStore:
         self._lock()
         try:
             checkpoint = read_checkpoint(self.store_dir)
-            if checkpoint is not None and checkpoint.flushed_offset > 0 and not os.listdir(self._cq_root):
-                # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it): scanned
+            self._load_queues(checkpoint.flushed_offset if checkpoint else None)
+            if checkpoint is not None and checkpoint.flushed_offset > 0 and not self._cqs and not self._deleted:
+                # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
+                # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
                 # from the checkpoint, only queues with a record past it came back, every other message unreachable
                 log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
                             "every consume queue is rebuilt from the whole log (checkpoint not used)",
@@ -191,7 +193,6 @@ class MessageStore:
                 os.unlink(os.path.join(self.store_dir, CHECKPOINT_FILE))
                 fsync_dir(self.store_dir)
                 checkpoint = None
-            self._load_queues(checkpoint.flushed_offset if checkpoint else None)
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
