@@ -177,3 +177,23 @@ async def test_a_store_whose_topics_were_all_deleted_starts_from_its_checkpoint(
         assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [0, 0, 0, 0]
     finally:
         await store.close()
+
+
+@bounded(60)
+async def test_an_empty_slave_rebased_past_zero_starts_from_its_checkpoint_without_a_rebuild_warning(tmp_path, caplog):
+    """Its log begins at the checkpoint, it holds no queue: nothing below the checkpoint to rebuild, yet each start
+    said the checkpoint vouched for the log below it and every queue was rebuilt, and removed the checkpoint."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    store.set_replica_only()
+    await store.rebase_empty(3 * CFG.segment_size)
+    await store.close()
+
+    caplog.set_level(logging.WARNING, logger="txmq.store")
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    try:
+        assert "consumequeue/ holds no queue" not in caplog.text and (tmp_path / "checkpoint").exists()
+        assert report.scanned_from == store.min_physical_offset == 3 * CFG.segment_size
+    finally:
+        await store.close()
