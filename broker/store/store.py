@@ -35,7 +35,7 @@ from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
                        read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
                        write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name
 from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
@@ -180,7 +180,8 @@ class MessageStore:
         try:
             checkpoint = read_checkpoint(self.store_dir)
             self._load_queues(checkpoint.flushed_offset if checkpoint else None)
-            if checkpoint is not None and checkpoint.flushed_offset > 0 and not self._cqs and not self._deleted:
+            if (checkpoint is not None and not self._cqs and not self._deleted
+                    and self._first_segment_start() < checkpoint.flushed_offset):
                 # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
                 # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
                 # from the checkpoint, only queues with a record past it came back, every other message unreachable
@@ -352,6 +353,13 @@ class MessageStore:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def _first_segment_start(self) -> int:
+        """The commit log's first segment's offset, from its files' names (before recovery loads them): the
+        checkpoint vouches for records only from there (an empty slave rebased past 0 holds none below it). No
+        segment at all: past any checkpoint (what recovery says of a log missing under one, not a rebuild)."""
+        starts = [s for s in map(parse_name, os.listdir(os.path.join(self.store_dir, "commitlog"))) if s is not None]
+        return min(starts, default=(1 << 63) - 1)
 
     def _load_queues(self, durable_below: int | None) -> None:
         size = self.config.cq_file_size
