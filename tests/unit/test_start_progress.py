@@ -97,6 +97,14 @@ async def test_a_store_whose_consume_queues_are_all_gone_rebuilds_them_from_the_
         assert "consumequeue/ holds no queue" in caplog.text
     finally:
         await store.close()
+    caplog.clear()
+    store = MessageStore(str(tmp_path), CFG)       # the next start is from the checkpoint the rebuild's stop wrote
+    report = await store.open()
+    try:
+        assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
+        assert report.scanned_from > 0 and "consumequeue/ holds no queue" not in caplog.text
+    finally:
+        await store.close()
 
 
 async def _old_and_new(tmp_path) -> None:
