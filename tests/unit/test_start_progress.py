@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 
+import pytest
+
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store import progress
 from tests.support.bounded import bounded
@@ -205,3 +207,19 @@ async def test_an_empty_slave_rebased_past_zero_starts_from_its_checkpoint_witho
         assert report.scanned_from == store.min_physical_offset == 3 * CFG.segment_size
     finally:
         await store.close()
+
+
+@bounded(60)
+async def test_a_rebuild_of_consumequeue_still_refuses_a_log_cut_below_the_checkpoint(tmp_path):
+    """The rebuild dropped the checkpoint for recovery altogether: a log that ended below it (a restore that lost
+    its last segment's tail beside a removed consumequeue/) was taken for a torn tail and cut, acknowledged
+    records lost at a start that went on, where the checkpoint's rule refuses it (as with its queues in place)."""
+    from protocol.errors import StoreError
+    await _old_and_new(tmp_path)
+    shutil.rmtree(tmp_path / "consumequeue")
+    last = sorted(os.listdir(tmp_path / "commitlog"))[-1]
+    os.truncate(tmp_path / "commitlog" / last, 8192)
+
+    store = MessageStore(str(tmp_path), CFG)
+    with pytest.raises(StoreError, match="checkpoint"):
+        await store.open()
