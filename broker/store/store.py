@@ -180,20 +180,23 @@ class MessageStore:
         try:
             checkpoint = read_checkpoint(self.store_dir)
             self._load_queues(checkpoint.flushed_offset if checkpoint else None)
+            rebuild = False         # every queue, from the whole log (consumequeue/ removed)
             if (checkpoint is not None and not self._cqs and not self._deleted
                     and self._first_segment_start() < checkpoint.flushed_offset):
                 # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
                 # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
                 # from the checkpoint, only queues with a record past it came back, every other message unreachable
                 log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
-                            "every consume queue is rebuilt from the whole log (checkpoint not used)",
-                            checkpoint.flushed_offset)
-                # ...and gone from the disk before the rebuild: until the first checkpoint after it flushes the
-                # rebuilt queues and their new directories, a power loss could lose some of them while the old
-                # one still vouched for the log below it (the next start then scanned from it: lost for good)
+                            "every consume queue is rebuilt from the whole log (the checkpoint file removed until "
+                            "the rebuilt queues are flushed)", checkpoint.flushed_offset)
+                # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
+                # log ending there is refused, not cut; dispatch listeners replay only past it, as their own files
+                # are there) but is gone from the disk before the rebuild: until the first checkpoint after it
+                # flushes the rebuilt queues and their new directories, a power loss could lose some of them while
+                # the old one still vouched for the log below it (the next start scanned from it: lost for good).
+                rebuild = True
                 os.unlink(os.path.join(self.store_dir, CHECKPOINT_FILE))
                 fsync_dir(self.store_dir)
-                checkpoint = None
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
@@ -206,7 +209,8 @@ class MessageStore:
                 copy_from = None
             known_corrupt = read_corrupt_kept(self.store_dir)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
-                                  self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
+                                  (1 << 63) - 1 if rebuild else self.config.recovery_verify_segments,
+                                  self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
                                   deleted=self._deleted,
@@ -244,7 +248,8 @@ class MessageStore:
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
             self._written_from = self.report.end_offset     # what this process writes (verified_record)
-            if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
+            if (checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset
+                    and not rebuild):       # (a rebuild removed it: nothing stale to refuse the log again)
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
                 write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
