@@ -220,6 +220,7 @@ async def test_a_rebuild_of_consumequeue_still_refuses_a_log_cut_below_the_check
     last = sorted(os.listdir(tmp_path / "commitlog"))[-1]
     os.truncate(tmp_path / "commitlog" / last, 8192)
 
-    store = MessageStore(str(tmp_path), CFG)
-    with pytest.raises(StoreError, match="checkpoint"):
-        await store.open()
+    for _start in range(2):     # ...and again at the next try (the checkpoint was removed before the refusal)
+        store = MessageStore(str(tmp_path), CFG)
+        with pytest.raises(StoreError, match="checkpoint"):
+            await store.open()
