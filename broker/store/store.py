@@ -44,6 +44,7 @@ from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryRep
 from .writer import IoThread, Writer
 
 log = logging.getLogger("txmq.store")
+REBUILD_FILE = "checkpoint.rebuild"     # the checkpoint, moved aside while consume queues are rebuilt from the log
 
 _MIN_SCAN_UNITS = 800       # RocketMQ scans at least 16000 bytes of consume queue per pull
 _CORRUPT_REMEMBERED = 4096  # corrupt records logged once each (a consumer retrying one must not flood the log)
@@ -103,6 +104,7 @@ class MessageStore:
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
+        self._rebuilding: str | None = None     # REBUILD_FILE while no checkpoint has followed the rebuild
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
@@ -179,9 +181,17 @@ class MessageStore:
         self._lock()
         try:
             checkpoint = read_checkpoint(self.store_dir)
-            self._load_queues(checkpoint.flushed_offset if checkpoint else None)
-            rebuild = False         # every queue, from the whole log (consumequeue/ removed)
-            if (checkpoint is not None and not self._cqs and not self._deleted
+            rebuilding = os.path.join(self.store_dir, REBUILD_FILE)
+            # every queue, from the whole log (consumequeue/ removed): one begun that no checkpoint ended yet (a
+            # refused start, a crash or power loss before it) is begun again
+            rebuild = checkpoint is None and os.path.exists(rebuilding)
+            if rebuild:
+                checkpoint = read_checkpoint(self.store_dir, REBUILD_FILE)
+                log.warning("consume queues: a rebuild from the whole log no checkpoint ended yet: begun again")
+            elif os.path.exists(rebuilding):        # ended: the checkpoint written, the crash before its removal
+                os.unlink(rebuilding)
+            self._load_queues(None if checkpoint is None or rebuild else checkpoint.flushed_offset)
+            if (not rebuild and checkpoint is not None and not self._cqs and not self._deleted
                     and self._first_segment_start() < checkpoint.flushed_offset):
                 # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
                 # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
@@ -195,8 +205,10 @@ class MessageStore:
                 # flushes the rebuilt queues and their new directories, a power loss could lose some of them while
                 # the old one still vouched for the log below it (the next start scanned from it: lost for good).
                 rebuild = True
-                os.unlink(os.path.join(self.store_dir, CHECKPOINT_FILE))
+                os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
                 fsync_dir(self.store_dir)
+            if rebuild:
+                self._rebuilding = rebuilding       # removed by the first checkpoint written after it
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
@@ -644,7 +656,7 @@ class MessageStore:
             if cq.unsynced:
                 dirs += cq.take_unsynced()
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs)
+            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -652,7 +664,7 @@ class MessageStore:
             # and the msyncs each attempt makes grew for as long as it failed. Flushing more is harmless.
             self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
-        self._last_checkpoint = point
+        self._last_checkpoint, self._rebuilding = point, None
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":
@@ -1433,7 +1445,8 @@ def _coalesce(ranges) -> list:
     return [tuple(r) for r in merged.values()]
 
 
-def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = ()) -> None:
+def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = (),
+                    rebuilt: str | None = None) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
@@ -1442,6 +1455,9 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
         except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
             pass
     write_checkpoint(store_dir, point)
+    if rebuilt is not None:     # the queues a whole-log rebuild made are flushed: the next start is a usual one
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(rebuilt)
 
 
 def _unlink_marks(cq_root: str, topics: list[str], log_dir: str) -> list[str]:

@@ -99,6 +99,7 @@ async def test_a_store_whose_consume_queues_are_all_gone_rebuilds_them_from_the_
         assert "consumequeue/ holds no queue" in caplog.text
     finally:
         await store.close()
+    assert not (tmp_path / "checkpoint.rebuild").exists()
     caplog.clear()
     store = MessageStore(str(tmp_path), CFG)       # the next start is from the checkpoint the rebuild's stop wrote
     report = await store.open()
@@ -132,12 +133,14 @@ async def test_a_power_loss_before_the_rebuilt_queues_are_checkpointed_rebuilds_
     await store.open()
     # the disk as a power loss right after that start leaves it: the checkpoint as it is now, OLD's new
     # directory entry (fsynced only by the first checkpoint) gone
-    left = (tmp_path / "checkpoint").read_bytes() if (tmp_path / "checkpoint").exists() else None
+    left = {name: (tmp_path / name).read_bytes() for name in ("checkpoint", "checkpoint.rebuild")
+            if (tmp_path / name).exists()}
     await store.close()
-    if left is None:
-        os.remove(tmp_path / "checkpoint")
-    else:
-        (tmp_path / "checkpoint").write_bytes(left)
+    for name in ("checkpoint", "checkpoint.rebuild"):
+        if name in left:
+            (tmp_path / name).write_bytes(left[name])
+        elif (tmp_path / name).exists():
+            os.remove(tmp_path / name)
     shutil.rmtree(tmp_path / "consumequeue" / "OLD")
 
     store = MessageStore(str(tmp_path), CFG)
