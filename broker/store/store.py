@@ -197,11 +197,11 @@ class MessageStore:
                 # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
                 # from the checkpoint, only queues with a record past it came back, every other message unreachable
                 log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
-                            "every consume queue is rebuilt from the whole log (the checkpoint file removed until "
-                            "the rebuilt queues are flushed)", checkpoint.flushed_offset)
+                            "every consume queue is rebuilt from the whole log (the checkpoint moved to %s until "
+                            "the rebuilt queues are flushed)", checkpoint.flushed_offset, REBUILD_FILE)
                 # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
                 # log ending there is refused, not cut; dispatch listeners replay only past it, as their own files
-                # are there) but is gone from the disk before the rebuild: until the first checkpoint after it
+                # are there) but is moved aside before the rebuild: until the first checkpoint after it
                 # flushes the rebuilt queues and their new directories, a power loss could lose some of them while
                 # the old one still vouched for the log below it (the next start scanned from it: lost for good).
                 rebuild = True
