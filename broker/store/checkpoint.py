@@ -40,8 +40,8 @@ class Checkpoint(NamedTuple):
     store_timestamp: int
 
 
-def read_checkpoint(store_dir: str) -> Checkpoint | None:
-    path = os.path.join(store_dir, FILE_NAME)
+def read_checkpoint(store_dir: str, name: str = FILE_NAME) -> Checkpoint | None:
+    path = os.path.join(store_dir, name)
     try:
         with open(path, "rb") as f:
             raw = f.read(_LAYOUT.size + 1)

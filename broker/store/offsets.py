@@ -65,6 +65,16 @@ CLOSE_WAIT_S = 120.0
 HUNG_CLOSE_WAIT_S = 2.0
 
 
+FIT_SAID = 10       # offsets lowered at a start said one a line; the rest are summed up in one
+
+
+def _why_lowered(end: int) -> str:
+    if end == 0:
+        return ("the queue holds nothing here: its files removed and not rebuilt, its topic deleted, "
+                "or the log cut below its first message")
+    return "the log was cut after it was committed"
+
+
 class ConsumerOffsets:
     def __init__(self, store_dir: str, *, persist_interval_s: float = 5.0, per_host: bool = True,
                  clock=time.monotonic, sleep=asyncio.sleep):
@@ -248,10 +258,18 @@ class ConsumerOffsets:
             end = max_offset(topic, qid)
             if offset > end:
                 lowered.append(((group, topic, qid), offset, end))
-        for key, was, end in lowered:
+        for n, (key, was, end) in enumerate(lowered):
             self.commit(*key, end)
-            log.warning("consumer offsets: %s of %s queue %d was %d, past the queue's end %d (the log was cut "
-                        "after it was committed); it is now %d", key[0], key[1], key[2], was, end, end)
+            # (the first few said each, the rest summed up: a store whose queues were not all rebuilt lowered
+            # thousands at one start, a line each)
+            log.log(logging.WARNING if n < FIT_SAID else logging.DEBUG,
+                    "consumer offsets: %s of %s queue %d was %d, past the queue's end %d (%s); it is now %d",
+                    key[0], key[1], key[2], was, end, _why_lowered(end), end)
+        if len(lowered) > FIT_SAID:
+            empty = sum(1 for _k, _w, end in lowered if end == 0)
+            log.warning("consumer offsets: %d consumer offsets lowered to their queue's end (%d shown above): "
+                        "%d to 0 (%s), %d to a shorter queue (%s)", len(lowered), FIT_SAID, empty,
+                        _why_lowered(0), len(lowered) - empty, _why_lowered(1))
         return lowered
 
     # ------------------------------------------------------------ lifecycle

@@ -66,6 +66,7 @@ from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
 from .consume_queue import ConsumeQueue
 from .mapped_file import last_nonzero, parse_name
+from .progress import Progress
 from .replica import tag_of
 from .results import DispatchInfo, RecoveryReport, Truncation
 
@@ -194,7 +195,10 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     expect: dict[tuple[str, int], int] = {}     # queue offset the next record of each queue must carry
     named: set[str] = set()     # topic names judged sound in this scan
 
+    progress = Progress(f"recovering the commit log from offset {report.scanned_from}", len(segs) - first,
+                        "segments")
     for i in range(first, len(segs)):
+        progress.step(i - first)
         seg, pos = segs[i], 0
         while True:
             if seg.start + pos >= cut_from:

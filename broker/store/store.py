@@ -27,7 +27,7 @@ from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
 from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_timestamp_at
 
-from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import FILE_NAME as CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
@@ -35,7 +35,8 @@ from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
                        read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
                        write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name
+from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
 from .saved import retrieved
@@ -43,6 +44,7 @@ from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryRep
 from .writer import IoThread, Writer
 
 log = logging.getLogger("txmq.store")
+REBUILD_FILE = "checkpoint.rebuild"     # the checkpoint, moved aside while consume queues are rebuilt from the log
 
 _MIN_SCAN_UNITS = 800       # RocketMQ scans at least 16000 bytes of consume queue per pull
 _CORRUPT_REMEMBERED = 4096  # corrupt records logged once each (a consumer retrying one must not flood the log)
@@ -102,6 +104,7 @@ class MessageStore:
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
+        self._rebuilding: str | None = None     # REBUILD_FILE while no checkpoint has followed the rebuild
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
@@ -178,7 +181,34 @@ class MessageStore:
         self._lock()
         try:
             checkpoint = read_checkpoint(self.store_dir)
-            self._load_queues(checkpoint.flushed_offset if checkpoint else None)
+            rebuilding = os.path.join(self.store_dir, REBUILD_FILE)
+            # every queue, from the whole log (consumequeue/ removed): one begun that no checkpoint ended yet (a
+            # refused start, a crash or power loss before it) is begun again
+            rebuild = checkpoint is None and os.path.exists(rebuilding)
+            if rebuild:
+                checkpoint = read_checkpoint(self.store_dir, REBUILD_FILE)
+                log.warning("consume queues: a rebuild from the whole log no checkpoint ended yet: begun again")
+            elif os.path.exists(rebuilding):        # ended: the checkpoint written, the crash before its removal
+                os.unlink(rebuilding)
+            self._load_queues(None if checkpoint is None or rebuild else checkpoint.flushed_offset)
+            if (not rebuild and checkpoint is not None and not self._cqs and not self._deleted
+                    and self._first_segment_start() < checkpoint.flushed_offset):
+                # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
+                # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
+                # from the checkpoint, only queues with a record past it came back, every other message unreachable
+                log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
+                            "every consume queue is rebuilt from the whole log (the checkpoint moved to %s until "
+                            "the rebuilt queues are flushed)", checkpoint.flushed_offset, REBUILD_FILE)
+                # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
+                # log ending there is refused, not cut; dispatch listeners replay only past it, as their own files
+                # are there) but is moved aside before the rebuild: until the first checkpoint after it
+                # flushes the rebuilt queues and their new directories, a power loss could lose some of them while
+                # the old one still vouched for the log below it (the next start scanned from it: lost for good).
+                rebuild = True
+                os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
+                fsync_dir(self.store_dir)
+            if rebuild:
+                self._rebuilding = rebuilding       # removed by the first checkpoint written after it
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
             # none of them is judged by that rule, only what is written from the end recovery finds.
             nul_free_from = read_nul_free_from(self.store_dir)
@@ -191,7 +221,8 @@ class MessageStore:
                 copy_from = None
             known_corrupt = read_corrupt_kept(self.store_dir)
             self.report = recover(self._log, self._cqs, self._make_queue, checkpoint,
-                                  self.config.recovery_verify_segments, self.config.truncate_corrupt_tail,
+                                  (1 << 63) - 1 if rebuild else self.config.recovery_verify_segments,
+                                  self.config.truncate_corrupt_tail,
                                   self._listeners, self.tag_rule,
                                   nul_free_from=(1 << 63) - 1 if nul_free_from is None else nul_free_from,
                                   deleted=self._deleted,
@@ -229,7 +260,8 @@ class MessageStore:
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
             self._written_from = self.report.end_offset     # what this process writes (verified_record)
-            if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
+            if (checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset
+                    and not rebuild):       # (a rebuild removed it: nothing stale to refuse the log again)
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
                 # the log again for the same loss
                 write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
@@ -339,9 +371,20 @@ class MessageStore:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
+    def _first_segment_start(self) -> int:
+        """The commit log's first segment's offset, from its files' names (before recovery loads them): the
+        checkpoint vouches for records only from there (an empty slave rebased past 0 holds none below it). No
+        segment at all: past any checkpoint (what recovery says of a log missing under one, not a rebuild)."""
+        starts = [s for s in map(parse_name, os.listdir(os.path.join(self.store_dir, "commitlog"))) if s is not None]
+        return min(starts, default=(1 << 63) - 1)
+
     def _load_queues(self, durable_below: int | None) -> None:
         size = self.config.cq_file_size
-        for topic in sorted(os.listdir(self._cq_root)):
+        began = time.monotonic()
+        topics = sorted(os.listdir(self._cq_root))
+        progress = Progress("loading consume queues", len(topics), "topics")
+        for done, topic in enumerate(topics):
+            progress.step(done)
             tdir = os.path.join(self._cq_root, topic)
             if validate_topic(topic) is not None or not os.path.isdir(tdir):
                 continue
@@ -360,6 +403,8 @@ class MessageStore:
                         shutil.rmtree(os.path.join(tdir, qid), ignore_errors=True)
                         continue
                     self._cqs[(topic, int(qid))] = cq
+        log.info("loaded %d consume queues of %d topics in %.3f s", len(self._cqs), len(topics),
+                 time.monotonic() - began)
 
     def _settle_marks(self, first: int, end: int) -> None:
         """Deleted topics' marks past the recovered log's end (its tail cut, or lost with the power before it was
@@ -611,7 +656,7 @@ class MessageStore:
             if cq.unsynced:
                 dirs += cq.take_unsynced()
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs)
+            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -619,7 +664,7 @@ class MessageStore:
             # and the msyncs each attempt makes grew for as long as it failed. Flushing more is harmless.
             self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
-        self._last_checkpoint = point
+        self._last_checkpoint, self._rebuilding = point, None
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":
@@ -1400,7 +1445,8 @@ def _coalesce(ranges) -> list:
     return [tuple(r) for r in merged.values()]
 
 
-def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = ()) -> None:
+def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = (),
+                    rebuilt: str | None = None) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
@@ -1409,6 +1455,9 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
         except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
             pass
     write_checkpoint(store_dir, point)
+    if rebuilt is not None:     # the queues a whole-log rebuild made are flushed: the next start is a usual one
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(rebuilt)
 
 
 def _unlink_marks(cq_root: str, topics: list[str], log_dir: str) -> list[str]:

@@ -15,6 +15,7 @@ import os
 import struct
 
 from broker.store.mapped_file import fsync_dir
+from broker.store.progress import Progress
 from broker.store.saved import crc_matches, with_crc, write_synced
 from protocol.errors import RecordError, StoreError
 from protocol.message import Prop, decode_record, store_timestamp_pos
@@ -52,7 +53,10 @@ def scan(store, topic: str, start: int | None = None, check_body: bool = False, 
     offset appended to ``undecodable``: raising, it kept the broker from starting at all."""
     offset = store.min_offset(topic, 0) if start is None else max(start, store.min_offset(topic, 0))
     end = store.max_offset(topic, 0)
+    first, progress = offset, Progress(f"transactions: reading {topic} from queue offset {offset}", end - offset,
+                                       "records", log)
     while offset < end:
+        progress.step(offset - first)
         # (bodies unchecked: the index needs only the records' properties; a commit checks the half's body)
         got = store.get_messages(topic, 0, offset, 256, 8 * 1024 * 1024, None, verify=False)
         if got.status is GetStatus.QUEUE_DAMAGED:      # stopping here would forget the transactions after it

@@ -37,7 +37,7 @@ async def _send(b) -> MessageQueue:
 async def _drain(b, mq) -> tuple[list[bytes], str | None]:
     """Bodies pulled from offset 0 until the end or an error; the error's text, if any."""
     consumer = PullConsumer(b.namesrv, "CG_damage")
-    await consumer.fetch_queues("Damage")
+    await consumer.fetch_queues(mq.topic)
     bodies, offset, error = [], 0, None
     try:
         for _ in range(N):                      # a bound: 32 a pull needs far fewer
@@ -123,3 +123,30 @@ async def test_a_broker_whose_active_segment_was_deleted_refuses_to_start(broker
     got, error = await _drain(b, mq)
     assert error is None and got == sent[:len(got)] and len(got) < len(sent)
     assert b.stop() == 0
+
+
+async def test_a_broker_whose_consumequeue_was_removed_serves_every_message_again(broker_factory, tmp_path):
+    """RocketMQ's way to have queues rebuilt, a restore without consumequeue/: the broker scanned only past the
+    checkpoint, the queue's messages in older segments unreachable. Rebuilt from the whole log now; the stop's
+    checkpoint ends the rebuild (``checkpoint.rebuild`` removed)."""
+    import shutil
+    b = broker_factory(*FLAGS)
+    async with Producer(b.namesrv, "PG_old") as producer:     # its records all in segments the scan does not verify
+        await producer.send("Old", b"seed")
+        q = (await producer.routes.publish_queues("Old"))[0]
+        for i in range(100):
+            await producer.send("Old", f"{i:05d}".encode() + bytes(2000), queue=q)
+    old = MessageQueue("Old", q.broker_name, q.queue_id)
+    mq = await _send(b)
+    sent = {m: (await _drain(b, m))[0] for m in (old, mq)}
+    assert len(sent[old]) == 101 and len(sent[mq]) == N + 1
+    assert b.stop() == 0
+    shutil.rmtree(tmp_path / "store" / "consumequeue")
+
+    b = broker_factory(*FLAGS)
+    for m in (old, mq):
+        got, error = await _drain(b, m)
+        assert error is None and got == sent[m], f"{m.topic}: {len(got)} of {len(sent[m])} served"
+    assert "consumequeue/ holds no queue" in b.log()
+    assert b.stop() == 0
+    assert not os.path.exists(tmp_path / "store" / "checkpoint.rebuild")

@@ -1030,3 +1030,25 @@ async def test_a_stop_begun_before_a_stuck_write_is_said_hung_gives_it_up_once_i
         assert "consumer offsets not persisted at close: a write has not ended" in caplog.text
     finally:
         go.set()
+
+
+def test_offsets_lowered_at_start_are_summed_up_with_their_reason_not_said_one_a_line(tmp_path, caplog):
+    """A store whose queues were not all rebuilt lowered 2,945 offsets at one start, one WARNING each, every one
+    saying "the log was cut" when the queue simply held nothing: a flood that buried the one line that mattered."""
+    import logging
+    offsets = ConsumerOffsets(str(tmp_path))
+    for i in range(300):
+        offsets.commit(f"G{i}", "GONE", i % 8, 40, "c")      # a queue that holds nothing here
+        offsets.commit(f"G{i}", "CUT", i % 8, 40, "c")       # a queue a cut log left at 25
+        offsets.commit(f"G{i}", "FINE", i % 8, 10, "c")
+    caplog.set_level(logging.INFO)
+    ends = {"GONE": 0, "CUT": 25, "FINE": 30}
+    lowered = offsets.fit(lambda t, _q: ends[t])
+
+    assert len(lowered) == 600 and {offsets.get(f"G{i}", t, i % 8) for i in range(300) for t in ("GONE", "CUT")} \
+        == {0, 25}
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) <= 11, len(said)
+    summary = [m for m in said if "600 consumer offsets" in m]
+    assert len(summary) == 1 and "300 to 0" in summary[0] and "300 to a shorter queue" in summary[0]
+    assert not any("the log was cut" in m for m in said if "GONE" in m)
