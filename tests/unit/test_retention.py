@@ -1050,10 +1050,12 @@ async def test_a_listed_half_is_expired_only_if_it_is_the_half_the_plan_saw(worl
     plan = await spark_like_plan(ctx, clock.now)
     plan["segments"] = []
     listed = {"commit_log_offset": half.half_offset, "store_timestamp": tx.store_ts, "uniq_key": tx.uniq_key}
-    for other in ({"store_timestamp": tx.store_ts - 1}, {"uniq_key": tx.uniq_key + "X"}):
+    for other in ({"store_timestamp": tx.store_ts - 3}, {"uniq_key": tx.uniq_key + "X"}):
         summary = await Retention(ctx).apply_plan(dict(plan, halves=[dict(listed, **other)]))
         assert summary["expired"] == [] and half.half_offset in ctx.tx.pending
         assert [s["commit_log_offset"] for s in summary["skipped"]] == [half.half_offset]
         assert "not the half the plan saw" in summary["skipped"][0]["why"]
-    summary = await Retention(ctx).apply_plan(dict(plan, halves=[listed]))
+    # One bit apart is its own record's flipped store time, read with the bit put back: the same half.
+    flipped = dict(listed, store_timestamp=tx.store_ts ^ 1 << 40)
+    summary = await Retention(ctx).apply_plan(dict(plan, halves=[flipped]))
     assert summary["expired"] == [half.half_offset] and dead_lettered(ctx, half.half_offset)
