@@ -276,10 +276,12 @@ def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) 
     counts = {r["kind"]: r["count"] for r in df.groupBy("kind").count().collect()}
     # One line a ts (the broker writes one a ts): a line read twice (a file restored with `cat old >> new`) was a
     # snapshot of twice each group's lag, summed over its queues. The line kept is the first read; a few thousand
-    # (ts, line) pairs a day, joined by broadcast, so the lag rows are not shuffled.
+    # (ts, line) pairs a day, persisted and counted so Spark knows their size: broadcast under
+    # spark.sql.autoBroadcastJoinThreshold (the lag rows are not shuffled), a shuffle join above it (no hint: every
+    # retained day's lines, kept for good at a short interval, were collected whole on the driver).
     one = df.where(F.col("kind") == "snap").groupBy("ts").agg(F.min("line").alias("line")).persist()
     kept = one.count()
-    rows = df.where(F.col("kind").isin("snap", "lag")).join(F.broadcast(one), ["ts", "line"], "left_semi")
+    rows = df.where(F.col("kind").isin("snap", "lag")).join(one, ["ts", "line"], "left_semi")
     snaps = Snapshots(rows, [df, one], len(files), kept, counts.get("bad", 0), counts.get("incomplete", 0),
                       counts.get("snap", 0) - kept)
     log.info("%s: read %d snapshot lines from %d files (%d bad lines skipped, %d incomplete)", job, snaps.lines,
