@@ -77,6 +77,26 @@ def check_plan_header(plan, store_id: str, now: int, skew_ms: int) -> None:
             raise PlanRefused(f"{key} must be a list of objects")
 
 
+def _another_half(half: dict, tx) -> str | None:
+    """Why the undecided half at a listed offset is not the one the plan saw (None: it is, or the plan does not say).
+    A store restored from a backup (same store id) and written on holds another half there: expired on the plan's
+    word, that other transaction was dead-lettered. Only the fields the plan carries are compared (a hand-made
+    plan may give the offset alone)."""
+    seen = []
+    ts = half.get("store_timestamp")
+    # One bit apart is the same half: an undecided half's flipped STORETIMESTAMP is read with the bit put back when
+    # the index is rebuilt, the record is not rewritten, so the plan says the flipped time (docs/operations.md).
+    if isinstance(ts, int) and not isinstance(ts, bool) and (ts ^ tx.store_ts).bit_count() > 1:
+        seen.append(f"store_timestamp {ts}, the store's half {tx.store_ts}")
+    key = half.get("uniq_key")
+    if isinstance(key, str) and key != tx.uniq_key:
+        seen.append(f"uniq_key {key!r}, the store's half {tx.uniq_key!r}")
+    if not seen:
+        return None
+    return ("not the half the plan saw (the plan says " + "; ".join(seen)
+            + "): the store was restored or the plan is of another copy; make a new plan")
+
+
 def judge(seg: dict, facts, *, cutoff: int) -> str | None:
     """Why the broker keeps a segment the plan lists (None: it may go). ``facts``: the store's SegmentFacts or None."""
     if facts is None:
@@ -187,6 +207,8 @@ class Retention:
             undecided = tx.pending.get(off) if isinstance(off, int) else None     # (a lookup, not a copy of all)
             if undecided is None:
                 skipped.append({"commit_log_offset": off, "why": "already decided or unknown"})
+            elif (other := _another_half(half, undecided)) is not None:
+                skipped.append({"commit_log_offset": off, "why": other})
             elif now - undecided.store_ts <= self.half_retention_ms:
                 skipped.append({"commit_log_offset": off, "why": "younger than the retention by the broker's clock"})
             else:

@@ -236,12 +236,17 @@ def _damage_dict(row, segments) -> dict:
 
 @dataclass
 class Snapshots:
-    rows: object            # DataFrame (kind, ts, connections, group, topic, queue_id, lag)
-    cached: object          # the persisted DataFrame rows is read from
+    rows: object            # DataFrame (kind, ts, connections, group, topic, queue_id, lag, line), one line a ts
+    cached: list            # the persisted DataFrames rows is read from
     files: int
-    lines: int              # usable lines
+    lines: int              # usable lines, one a ts
     bad_lines: int
     incomplete_lines: int
+    duplicate_lines: int    # usable lines not read: another of the same ts was
+
+    def release(self) -> None:
+        for df in self.cached:
+            df.unpersist()
 
 
 def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) -> Snapshots:
@@ -249,7 +254,8 @@ def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) 
     from pyspark.sql import functions as F
     from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-    types = {"ts": LongType(), "connections": IntegerType(), "queue_id": IntegerType(), "lag": LongType()}
+    types = {"ts": LongType(), "connections": IntegerType(), "queue_id": IntegerType(), "lag": LongType(),
+             "line": LongType()}
     schema = StructType([StructField(n, types.get(n, StringType())) for n in SNAPSHOT_FIELDS])
     files = snapshot_files(store_dir, dates)
     if files:
@@ -263,15 +269,26 @@ def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) 
         text = sc.textFile(",".join(_uri(p) for p in done)) if done else sc.emptyRDD()
         if live:
             text = text.union(sc.parallelize(live, len(live)).mapPartitions(read_lines))
-        df = spark.createDataFrame(text.mapPartitions(parse_lines), schema, verifySchema=False)
+        df = spark.createDataFrame(text.mapPartitionsWithIndex(parse_lines), schema, verifySchema=False)
     else:
         df = spark.createDataFrame([], schema)
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
     counts = {r["kind"]: r["count"] for r in df.groupBy("kind").count().collect()}
-    snaps = Snapshots(df.where(F.col("kind").isin("snap", "lag")), df, len(files), counts.get("snap", 0),
-                      counts.get("bad", 0), counts.get("incomplete", 0))
+    # One line a ts (the broker writes one a ts): a line read twice (a file restored with `cat old >> new`) was a
+    # snapshot of twice each group's lag, summed over its queues. The line kept is the first read; a few thousand
+    # (ts, line) pairs a day, persisted and counted so Spark knows their size: broadcast under
+    # spark.sql.autoBroadcastJoinThreshold (the lag rows are not shuffled), a shuffle join above it (no hint: every
+    # retained day's lines, kept for good at a short interval, were collected whole on the driver).
+    one = df.where(F.col("kind") == "snap").groupBy("ts").agg(F.min("line").alias("line")).persist()
+    kept = one.count()
+    rows = df.where(F.col("kind").isin("snap", "lag")).join(one, ["ts", "line"], "left_semi")
+    snaps = Snapshots(rows, [df, one], len(files), kept, counts.get("bad", 0), counts.get("incomplete", 0),
+                      counts.get("snap", 0) - kept)
     log.info("%s: read %d snapshot lines from %d files (%d bad lines skipped, %d incomplete)", job, snaps.lines,
              snaps.files, snaps.bad_lines, snaps.incomplete_lines)
+    if snaps.duplicate_lines:
+        log.warning("%s: %d snapshot lines repeat the ts of another (a metrics file with lines twice: restored or "
+                    "appended over a copy?): one line a ts is read", job, snaps.duplicate_lines)
     return snaps
 
 

@@ -504,6 +504,7 @@ def _summary(parts, date: str | None) -> dict:
             "damaged_ops": {k: sum(p.summary["damaged_ops"][k] for p in parts) for k in DAMAGED_OPS},
             "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
             "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
+            "duplicate_snapshot_lines": total("duplicate_snapshot_lines"),
             "brokers": [p.broker for p in parts], "rows": {}, "reports": [], "left_as_is": []}
 
 
@@ -584,7 +585,8 @@ class _StoreRollup:
                         "damage": [{**d, "broker": broker} for d in scan.damage], "damaged_ops": damaged_ops,
                         "kept_corrupt": [{**d, "broker": broker} for d in scan.kept],
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
-                        "incomplete_snapshot_lines": self.snaps.incomplete_lines}
+                        "incomplete_snapshot_lines": self.snaps.incomplete_lines,
+                        "duplicate_snapshot_lines": self.snaps.duplicate_lines}
 
     def recheck_baseline(self, out_dir: str) -> None:
         """Read the previous day's undecided count again, under --out's lock. The first read (it chose the
@@ -669,4 +671,4 @@ class _StoreRollup:
         if self.scan is not None:
             self.scan.release()
         if self.snaps is not None:
-            self.snaps.cached.unpersist()
+            self.snaps.release()

@@ -10,6 +10,10 @@ A line that is not a JSON object with an integer "ts" is *bad* (it cannot be pla
 window) and is only counted. A line with "ts" but a missing or malformed "connections" or
 "consumer_lag" (or lag entries without group / integer lag) is *incomplete*: what is there
 is used, and the line is counted. "requests" is not rolled up (see docs/ops-spark.md).
+
+Each snap and lag row carries the id of the line it came from ("line", unique in a read: the Spark
+partition's index and the line's number in it): a line read twice (a file restored with `cat old >> new`)
+is one snapshot, and load.load_snapshots keeps one line a ts by it.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import re
 import time
 
 # Row kinds: one "snap" per usable line, one "lag" per usable lag entry, plus counters.
-SNAPSHOT_FIELDS = ("kind", "ts", "connections", "group", "topic", "queue_id", "lag")
+SNAPSHOT_FIELDS = ("kind", "ts", "connections", "group", "topic", "queue_id", "lag", "line")
 _FILE = re.compile(r"(\d{4}-\d{2}-\d{2})\.jsonl")
 
 
@@ -28,7 +32,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_line(line: str) -> list[tuple]:
+def parse_line(line: str, line_id: int | None = None) -> list[tuple]:
     """Rows for one line: [("bad", ...)] or a "snap" row, "lag" rows, maybe an "incomplete" row."""
     blank = (None,) * (len(SNAPSHOT_FIELDS) - 1)
     line = line.strip()
@@ -45,7 +49,7 @@ def parse_line(line: str) -> list[tuple]:
     connections = obj.get("connections")
     if not _is_int(connections):
         connections, incomplete = None, True
-    rows = [("snap", ts, connections, None, None, None, None)]
+    rows = [("snap", ts, connections, None, None, None, None, line_id)]
     lag = obj.get("consumer_lag")
     if not isinstance(lag, list):
         lag, incomplete = [], True
@@ -56,16 +60,16 @@ def parse_line(line: str) -> list[tuple]:
             continue
         topic = entry.get("topic") if isinstance(entry.get("topic"), str) else None
         qid = entry.get("queue_id") if _is_int(entry.get("queue_id")) else None
-        rows.append(("lag", ts, None, entry["group"], topic, qid, entry["lag"]))
+        rows.append(("lag", ts, None, entry["group"], topic, qid, entry["lag"], line_id))
     if incomplete:
         rows.append(("incomplete",) + blank)
     return rows
 
 
-def parse_lines(lines):
-    """mapPartitions body over text lines."""
-    for line in lines:
-        yield from parse_line(line)
+def parse_lines(index: int, lines):
+    """mapPartitionsWithIndex body over text lines: each line's id is the partition's index and its number."""
+    for n, line in enumerate(lines):
+        yield from parse_line(line, (index << 32) | n)
 
 
 # A file modified this recently may be the one the broker is appending to now (a line every

@@ -115,13 +115,13 @@ def test_zeros_end_the_data_but_garbage_after_them_is_damage(tmp_path, monkeypat
 
 
 def test_snapshot_lines_tolerate_missing_keys():
-    assert parse_line("nope") == [("bad",) + (None,) * 6]
+    assert parse_line("nope") == [("bad",) + (None,) * 7]
     assert parse_line('{"connections": 3}')[0][0] == "bad"
     assert parse_line("  ") == []
-    rows = parse_line(json.dumps({"ts": 5, "connections": 2, "consumer_lag": [
-        {"group": "g", "topic": "T", "queue_id": 1, "lag": 4}, {"group": 7, "lag": 1}]}))
-    assert rows == [("snap", 5, 2, None, None, None, None), ("lag", 5, None, "g", "T", 1, 4),
-                    ("incomplete",) + (None,) * 6]
+    line = json.dumps({"ts": 5, "connections": 2, "consumer_lag": [
+        {"group": "g", "topic": "T", "queue_id": 1, "lag": 4}, {"group": 7, "lag": 1}]})
+    assert parse_line(line + "\n", 9) == [("snap", 5, 2, None, None, None, None, 9),
+                                          ("lag", 5, None, "g", "T", 1, 4, 9), ("incomplete",) + (None,) * 7]
     assert [r[0] for r in parse_line('{"ts": 9, "connections": 1, "consumer_lag": []}')] == ["snap"]
 
 

@@ -1036,3 +1036,26 @@ async def test_what_a_resume_is_told_names_the_plan_that_lists_its_half_not_ever
         assert await Retention(ctx).undoes_resume(half.half_offset, T0 - 20 * H) is None
     finally:
         await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_listed_half_is_expired_only_if_it_is_the_half_the_plan_saw(world):
+    """The plan names a half by its offset and says its store time and uniq key; the segments it lists are checked
+    against what the store holds (start, end, newest), the halves were not. A store restored from a backup with the
+    same store id, written on since, holds another half at that offset: it was dead-lettered as `expired` on the
+    plan's word about another message. Skipped now, with a count and a reason; a plan without the fields (a
+    hand-made one) is judged by offset and age as before."""
+    ctx, clock, half, old, fresh = world          # the half is 80 hours old by the broker's clock
+    tx = ctx.tx.pending[half.half_offset]
+    plan = await spark_like_plan(ctx, clock.now)
+    plan["segments"] = []
+    listed = {"commit_log_offset": half.half_offset, "store_timestamp": tx.store_ts, "uniq_key": tx.uniq_key}
+    for other in ({"store_timestamp": tx.store_ts - 3}, {"uniq_key": tx.uniq_key + "X"}):
+        summary = await Retention(ctx).apply_plan(dict(plan, halves=[dict(listed, **other)]))
+        assert summary["expired"] == [] and half.half_offset in ctx.tx.pending
+        assert [s["commit_log_offset"] for s in summary["skipped"]] == [half.half_offset]
+        assert "not the half the plan saw" in summary["skipped"][0]["why"]
+    # One bit apart is its own record's flipped store time, read with the bit put back: the same half.
+    flipped = dict(listed, store_timestamp=tx.store_ts ^ 1 << 40)
+    summary = await Retention(ctx).apply_plan(dict(plan, halves=[flipped]))
+    assert summary["expired"] == [half.half_offset] and dead_lettered(ctx, half.half_offset)
