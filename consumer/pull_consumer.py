@@ -70,10 +70,14 @@ class MessageSelector:
         """Messages whose tag is one of ``tags`` (``"a || b"``); ``"*"`` or nothing: every message. ValueError for
         an expression that names no tag (``" "``, ``"||"``): a broker refuses its pulls (a 4.9.8 one matches no
         message with it, and the Java client refuses ``"||"`` at subscribe)."""
-        selector = cls(tags or "*", "TAG")
-        if selector.expression != "*" and not selector.tags:
-            raise ValueError(f"the tag expression {tags[:200]!r} names no tag (\"*\" selects every message)")
-        return selector
+        return cls(tags or "*", "TAG")
+
+    def __post_init__(self):
+        # here, not in by_tag alone: MessageSelector(" ") went past the check into a subscription, a push consumer
+        # storing its consume_from="last" starts and then refused every pull
+        if self.is_tag and self.expression not in ("", "*") and not self.tags:
+            raise ValueError(f"the tag expression {self.expression[:200]!r} names no tag (\"*\" selects every "
+                             "message)")
 
     @classmethod
     def by_sql(cls, sql: str) -> "MessageSelector":

@@ -82,3 +82,17 @@ def test_a_push_consumer_refuses_a_tag_expression_of_no_tag_at_subscribe():
     assert push.subscriptions == {}
     push.subscribe("T", " * ")
     assert push.subscriptions == {"T": " * "}
+
+
+def test_a_tag_selector_of_no_tag_built_directly_is_refused_too():
+    """MessageSelector is a public dataclass: MessageSelector(" ") (or (" ", "TAG")) skipped by_tag's check, so
+    a push consumer subscribed with it, started, stored its consume_from="last" start on each queue and then had
+    every pull refused (SUBSCRIPTION_PARSE_FAILED), the refusal at subscribe bypassed."""
+    push = consumer.PushConsumer("127.0.0.1:1", "G", lambda msg: None)
+    for no_tag in (" ", "||", " || "):
+        with pytest.raises(ValueError, match="names no tag"):
+            push.subscribe("T", consumer.MessageSelector(no_tag))
+        with pytest.raises(ValueError, match="names no tag"):
+            consumer.MessageSelector(no_tag, "TAG")
+    assert push.subscriptions == {}
+    assert consumer.MessageSelector("").tags == [] and consumer.MessageSelector(" * ").tags == ["*"]
