@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import struct
 import urllib.request
 
 import pytest
 
+from broker.store.checkpoint import read_checkpoint
 from broker.store.manifest import NUL_FREE_FILE
+from broker.store.mapped_file import last_nonzero
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
@@ -360,3 +364,45 @@ async def test_halves_sent_before_the_first_heartbeat_are_asked_of_its_instance_
         assert await _metric(b, "txmq_transaction_checks_total", group=STOCK_GROUP) == len(keys)
     finally:
         sender.conn.close()
+
+
+@bounded(120)
+async def test_a_restart_that_rebuilds_consumequeue_does_not_spend_a_check(broker_factory):
+    """The check2 rule (a restart spends no check before its interval) on a start that rebuilds every consume queue
+    from the whole log (consumequeue/ removed, the checkpoint moved to checkpoint.rebuild): the op queue rebuilt,
+    the check record's store time must still be found -- after a kill -9 (no snapshot since the check) and after a
+    clean stop (the snapshot's "checked")."""
+    flags = (*FLAGS, "--transaction-timeout-ms", "500")
+    b = broker_factory(*flags)
+    listener = Listener(answer=S.UNKNOW)
+    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
+    await producer.start()
+    try:
+        await producer.send_in_transaction(TOPIC, b"in doubt")
+        await listener.until_asked(1)
+        await _checkpointed(b)      # (a log with no checkpoint is scanned whole anyway: no rebuild)
+        for crash in (True, False):
+            b.kill() if crash else b.stop()
+            shutil.rmtree(b.store_dir / "consumequeue")
+            said = len(b.log_path.read_text())
+            b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+            assert "rebuilt from the whole log" in b.log_path.read_text()[said:]
+            assert await producer.heartbeat()
+            (row,) = (await _listed(b))["pending"]
+            assert row["checks"] == 1 and row["next_check_in_ms"] > 30_000, row
+        assert len(listener.asked) == 1, f"{len(listener.asked) - 1} checks spent by two rebuilding restarts"
+    finally:
+        await producer.shutdown()
+
+
+async def _checkpointed(b) -> None:
+    """Until ``b``'s checkpoint (written each second) covers every record in its commit log."""
+    seg = sorted((b.store_dir / "commitlog").iterdir())[0]
+    for _ in range(200):
+        with open(seg, "rb") as f:
+            end = last_nonzero(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        point = read_checkpoint(str(b.store_dir))
+        if point is not None and point.flushed_offset >= end > 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no checkpoint covered the log's {end} bytes: {point}")
