@@ -189,13 +189,16 @@ async def test_an_end_for_a_half_dead_lettered_after_a_restart_is_refused_saying
         await producer.shutdown()
 
 
+@pytest.mark.parametrize("rebuild", [False, True], ids=["", "consumequeue-rebuilt"])
 @bounded(120)
-async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_last(broker_factory):
+async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_last(broker_factory, rebuild):
     """Checked once, a transaction is checked again an interval later, restarts or not: recovered due at once (and
     deferred until its producer came back, then due at once), each kill -9 spent a check, 4 in 15 s at a 60 s
     interval, and a broker in a crash loop dead-lettered a transaction whose local transaction was still running
     after check_max restarts, not check_max intervals. Its last check is known by its check record's time (the
-    first restart, no snapshot since) and by the snapshot's (the second: a clean stop writes one)."""
+    first restart, no snapshot since) and by the snapshot's (the second: a clean stop writes one). So too on starts
+    that rebuild every consume queue from the whole log (consumequeue/ removed): the op queue rebuilt, the check
+    record's store time is found again."""
     flags = (*FLAGS, "--transaction-timeout-ms", "500")     # an interval of 60 s: no check is due for the test
     b = broker_factory(*flags)
     listener = Listener(answer=S.UNKNOW)
@@ -204,9 +207,15 @@ async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_la
     try:
         await producer.send_in_transaction(TOPIC, b"in doubt")
         await listener.until_asked(1)
+        if rebuild:
+            await _checkpointed(b)      # (a log with no checkpoint is scanned whole anyway: no rebuild)
         for crash in (True, False):
             b.kill() if crash else b.stop()
+            said = len(b.log_path.read_text())
+            if rebuild:
+                shutil.rmtree(b.store_dir / "consumequeue")
             b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+            assert rebuild == ("rebuilt from the whole log" in b.log_path.read_text()[said:])
             # The producer is back once it heartbeats: a check due at once goes out then (its deferral ends).
             assert await producer.heartbeat()
             (row,) = (await _listed(b))["pending"]
@@ -364,35 +373,6 @@ async def test_halves_sent_before_the_first_heartbeat_are_asked_of_its_instance_
         assert await _metric(b, "txmq_transaction_checks_total", group=STOCK_GROUP) == len(keys)
     finally:
         sender.conn.close()
-
-
-@bounded(120)
-async def test_a_restart_that_rebuilds_consumequeue_does_not_spend_a_check(broker_factory):
-    """The check2 rule (a restart spends no check before its interval) on a start that rebuilds every consume queue
-    from the whole log (consumequeue/ removed, the checkpoint moved to checkpoint.rebuild): the op queue rebuilt,
-    the check record's store time must still be found -- after a kill -9 (no snapshot since the check) and after a
-    clean stop (the snapshot's "checked")."""
-    flags = (*FLAGS, "--transaction-timeout-ms", "500")
-    b = broker_factory(*flags)
-    listener = Listener(answer=S.UNKNOW)
-    producer = TransactionProducer(b.namesrv, GROUP, listener, instance_name="sender", retries=0)
-    await producer.start()
-    try:
-        await producer.send_in_transaction(TOPIC, b"in doubt")
-        await listener.until_asked(1)
-        await _checkpointed(b)      # (a log with no checkpoint is scanned whole anyway: no rebuild)
-        for crash in (True, False):
-            b.kill() if crash else b.stop()
-            shutil.rmtree(b.store_dir / "consumequeue")
-            said = len(b.log_path.read_text())
-            b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
-            assert "rebuilt from the whole log" in b.log_path.read_text()[said:]
-            assert await producer.heartbeat()
-            (row,) = (await _listed(b))["pending"]
-            assert row["checks"] == 1 and row["next_check_in_ms"] > 30_000, row
-        assert len(listener.asked) == 1, f"{len(listener.asked) - 1} checks spent by two rebuilding restarts"
-    finally:
-        await producer.shutdown()
 
 
 async def _checkpointed(b) -> None:
