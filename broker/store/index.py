@@ -80,7 +80,13 @@ LAG_MS = 10.0                   # how long a woken index thread lets dispatched 
 # progress save's msync of the newest file or its index/progress write, on a hung disk or a stopped NFS). A query
 # waiting behind it is answered SYSTEM_ERROR then (stalled_s): it waited for ever, answered by nothing.
 STALLED_S = 10.0
+# Records dispatched a job takes at most (the rest in the next, behind the jobs queued meanwhile): those that waited
+# for the start-up catch-up (many slices: a removed index/, a long-stopped broker) were indexed in one job, ~14 us
+# a record: 700,000 of them (3 min of catch-up at 4,000 sends/s) ran past STALLED_S, a legitimate job gauged and
+# refused as a hung disk's. 16,384: ~0.25 s.
+BACKLOG_SLICE = 16_384
 _WAKE = object()
+_MORE = object()        # (the thread's own: records left in the deque by BACKLOG_SLICE; no LAG_MS wait)
 
 
 def record_keys(raw, pos: int = 0):
@@ -133,6 +139,7 @@ class IndexService:
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._last_progress = 0.0
         self._catching_up = False       # records dispatched meanwhile wait in _pending until the catch-up ends
+        self._backlog = False           # records left in _pending for the next job (BACKLOG_SLICE): partial too
         self._loop = None
         self._closed = False
         self._stopping = False          # close() queued the thread's last job: later jobs would never run
@@ -220,9 +227,9 @@ class IndexService:
     @property
     def partial(self) -> bool:
         """A query is answered from a prefix of the log: the start-up catch-up (or a full disk's resume) has not
-        reached its end, or a write error stopped indexing. Who must know a record is absent (not merely not
+        reached its end (nor the records dispatched meanwhile, BACKLOG_SLICE a job), or a write error stopped indexing. Who must know a record is absent (not merely not
         indexed yet) says so when this is true (TransactionService resume)."""
-        return self._catching_up or self.stopped
+        return self._catching_up or self._backlog or self.stopped
 
     # ------------------------------------------------------------ the API (awaitable)
     async def query(self, topic: str, key: str, max_num: int, begin: int, end: int) -> "QueryResult":
@@ -338,17 +345,20 @@ class IndexService:
             # loop appends after that count would find the deque non-empty, skip its wake-up and wait for
             # the next send (found in review).
             batch = []
-            while pending and not self._catching_up:
+            while pending and not self._catching_up and len(batch) < BACKLOG_SLICE:
                 batch.append(popleft())
             if batch:
                 self._seen_end = max(self._seen_end, batch[-1][0] + batch[-1][1])
                 self._guarded(self._index, batch)
+                self._backlog = len(batch) >= BACKLOG_SLICE and bool(pending)
+                if self._backlog:       # (on_dispatch wakes the thread only for a record that finds the deque empty)
+                    q.put(_MORE)
             if (self.failed is not None and self._resumable and item is not None and not self._closed
                     and time.monotonic() - self._failed_at >= self.resume_every_s):
                 self._guarded(self._resume)
             if item is None:
                 return
-            if item is not _WAKE:       # a job: each runs whatever failed before it (a query must be answered)
+            if item is not _WAKE and item is not _MORE:       # a job: each runs whatever failed before it (a query must be answered)
                 self._guarded(item)
             if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
                 self._guarded(self._save_progress)

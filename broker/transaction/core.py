@@ -917,6 +917,10 @@ class TransactionCore:
             return False
         self._reschedule(tx, now)
         tx.reask = True
+        # Not the last check a restart waits an interval after (the snapshot's "checked"): asked of nobody who
+        # answers, it is due at once, and held a whole interval by a clean restart otherwise. (A kill -9 still
+        # finds its check record's time: the record cannot say the check was lost.)
+        tx.checked_at = 0
         return True
 
     def check_written(self, tx: Tx, now: int, ok: bool) -> bool:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import struct
 import urllib.request
 
 import pytest
 
+from broker.store.checkpoint import read_checkpoint
 from broker.store.manifest import NUL_FREE_FILE
+from broker.store.mapped_file import last_nonzero
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
@@ -185,13 +189,16 @@ async def test_an_end_for_a_half_dead_lettered_after_a_restart_is_refused_saying
         await producer.shutdown()
 
 
+@pytest.mark.parametrize("rebuild", [False, True], ids=["", "consumequeue-rebuilt"])
 @bounded(120)
-async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_last(broker_factory):
+async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_last(broker_factory, rebuild):
     """Checked once, a transaction is checked again an interval later, restarts or not: recovered due at once (and
     deferred until its producer came back, then due at once), each kill -9 spent a check, 4 in 15 s at a 60 s
     interval, and a broker in a crash loop dead-lettered a transaction whose local transaction was still running
     after check_max restarts, not check_max intervals. Its last check is known by its check record's time (the
-    first restart, no snapshot since) and by the snapshot's (the second: a clean stop writes one)."""
+    first restart, no snapshot since) and by the snapshot's (the second: a clean stop writes one). So too on starts
+    that rebuild every consume queue from the whole log (consumequeue/ removed): the op queue rebuilt, the check
+    record's store time is found again."""
     flags = (*FLAGS, "--transaction-timeout-ms", "500")     # an interval of 60 s: no check is due for the test
     b = broker_factory(*flags)
     listener = Listener(answer=S.UNKNOW)
@@ -200,9 +207,15 @@ async def test_a_restart_does_not_spend_a_check_before_the_interval_since_the_la
     try:
         await producer.send_in_transaction(TOPIC, b"in doubt")
         await listener.until_asked(1)
+        if rebuild:
+            await _checkpointed(b)      # (a log with no checkpoint is scanned whole anyway: no rebuild)
         for crash in (True, False):
             b.kill() if crash else b.stop()
+            said = len(b.log_path.read_text())
+            if rebuild:
+                shutil.rmtree(b.store_dir / "consumequeue")
             b = await asyncio.to_thread(broker_factory, *_fixed(b, *flags))
+            assert rebuild == ("rebuilt from the whole log" in b.log_path.read_text()[said:])
             # The producer is back once it heartbeats: a check due at once goes out then (its deferral ends).
             assert await producer.heartbeat()
             (row,) = (await _listed(b))["pending"]
@@ -360,3 +373,16 @@ async def test_halves_sent_before_the_first_heartbeat_are_asked_of_its_instance_
         assert await _metric(b, "txmq_transaction_checks_total", group=STOCK_GROUP) == len(keys)
     finally:
         sender.conn.close()
+
+
+async def _checkpointed(b) -> None:
+    """Until ``b``'s checkpoint (written each second) covers every record in its commit log."""
+    seg = sorted((b.store_dir / "commitlog").iterdir())[0]
+    for _ in range(200):
+        with open(seg, "rb") as f:
+            end = last_nonzero(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        point = read_checkpoint(str(b.store_dir))
+        if point is not None and point.flushed_offset >= end > 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no checkpoint covered the log's {end} bytes: {point}")

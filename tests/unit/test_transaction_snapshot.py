@@ -833,3 +833,27 @@ async def test_a_stop_while_a_periodic_snapshots_rows_are_made_writes_its_own_co
     assert sorted(r[0] for r in snap["pending"]) == sorted(p.half_offset for i, p in enumerate(hs) if i != 1)
     assert snap["op_offset"] == 1 and len(calls) == 2
     await ctx.store._store.close()
+
+
+@bounded(30)
+async def test_a_check_lost_with_its_connection_is_asked_at_once_after_a_clean_restart(tmp_path):
+    """A check lost with its producer (its connection closed, or it unregistered the group) is due again at once;
+    with no other producer of the group it waits for one. The snapshot a clean stop wrote still named it checked
+    a moment ago ("checked"), so the restart held its re-ask a whole interval (1000 ms here; a minute by default)
+    after the producer came back, where before the snapshot kept check times it was asked at once."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    half = await add_half(ctx, b"its check lost")
+    clock.now += 10_000                             # (past its immunity: checked once, an interval ago)
+    core = ctx.tx.core
+    t = core.pending[half.half_offset]
+    t.checks, t.checked_at = 1, clock.now
+    assert core._lost(t, ctx.monotonic())           # (as channel_closed / producer_left do)
+    await ctx.tx.write_snapshot()
+    await ctx.store._store.close()
+    ctx2 = await make_service(tmp_path, clock)
+    try:
+        t = ctx2.tx.pending[half.half_offset]
+        assert t.checks == 1 and t.next_check <= clock.now, t.next_check - clock.now
+    finally:
+        await ctx2.store._store.close()
