@@ -68,6 +68,27 @@ class Checked:
         return None
 
 
+async def _a_half_from(leaver) -> None:
+    """The topic, the leaver's heartbeat as a producer of GROUP (and a consumer of its process), and its half."""
+    created = await leaver.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+        "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+    assert created.code == ResponseCode.SUCCESS, created.remark
+    assert (await leaver.request(_heartbeat("leaver", [GROUP], ["CG_same_process"]), 5)).code == 0
+    h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                 properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+    sent = await leaver.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                        b"order 1"), 5)
+    assert sent.code == ResponseCode.SUCCESS, sent.remark
+
+
+async def _committed_is_pulled(stayer) -> None:
+    pulled = await stayer.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+        "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
+        "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
+        "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
+    assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+
+
 @bounded(60)
 async def test_check_skips_a_connection_that_unregistered_the_group(broker_factory):
     # The immunity (2 s) may end before the leaver unregisters on a loaded machine: a check it is sent while
@@ -79,16 +100,7 @@ async def test_check_skips_a_connection_that_unregistered_the_group(broker_facto
     leaver = await open_connection(host, int(port), gone)
     stayer = await open_connection(host, int(port), other)
     try:
-        created = await leaver.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
-        assert created.code == ResponseCode.SUCCESS, created.remark
-        assert (await leaver.request(_heartbeat("leaver", [GROUP], ["CG_same_process"]), 5)).code == 0
-        # the half, sent by the producer that is about to shut down: its local transaction is undecided
-        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
-                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
-        sent = await leaver.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
-                                                            b"order 1"), 5)
-        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        await _a_half_from(leaver)      # the producer about to shut down: its local transaction undecided
         # TransactionMQProducer.shutdown(): UNREGISTER_CLIENT for its group; the process's consumer keeps the
         # connection open and heartbeating, without the producer group.
         gone.left = leaver.start_request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
@@ -104,11 +116,7 @@ async def test_check_skips_a_connection_that_unregistered_the_group(broker_facto
                             asyncio.ensure_future(other.asked.wait())], return_when=asyncio.FIRST_COMPLETED)
         assert gone.checks_after_leaving == [], \
             f"checked a connection whose producer had unregistered the group:\n{b.log()}"
-        pulled = await stayer.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
-            "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
-            "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
-            "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
-        assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+        await _committed_is_pulled(stayer)
     finally:
         leaver.close()
         stayer.close()
@@ -127,15 +135,7 @@ async def test_a_check_in_flight_to_a_producer_that_unregisters_is_asked_again_o
     leaver = await open_connection(host, int(port), gone)
     stayer = await open_connection(host, int(port), other)
     try:
-        created = await leaver.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
-            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
-        assert created.code == ResponseCode.SUCCESS, created.remark
-        assert (await leaver.request(_heartbeat("leaver", [GROUP], ["CG_same_process"]), 5)).code == 0
-        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
-                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
-        sent = await leaver.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
-                                                            b"order 1"), 5)
-        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        await _a_half_from(leaver)
         await gone.asked.wait()         # its first check, to its sender: in flight, unanswered
         left = await leaver.request(RemotingCommand.request(RequestCode.UNREGISTER_CLIENT, {
             "clientID": "leaver", "producerGroup": GROUP}), 5)
@@ -143,11 +143,7 @@ async def test_a_check_in_flight_to_a_producer_that_unregisters_is_asked_again_o
         assert (await stayer.request(_heartbeat("stayer", [GROUP]), 5)).code == 0
         await other.asked.wait()        # asked at once (it commits), not an interval later
         assert len(gone.checks) == 1, gone.checks
-        pulled = await stayer.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
-            "consumerGroup": "CG_reader", "topic": TOPIC, "queueId": 0, "queueOffset": 0, "maxMsgNums": 1,
-            "sysFlag": 2 | 4, "commitOffset": 0, "suspendTimeoutMillis": 20000, "subscription": "*",
-            "subVersion": 0, "expressionType": "TAG"}), 25)       # long-polls until the commit is stored
-        assert pulled.code == ResponseCode.SUCCESS, pulled.remark
+        await _committed_is_pulled(stayer)
     finally:
         leaver.close()
         stayer.close()

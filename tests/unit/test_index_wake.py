@@ -68,6 +68,19 @@ async def test_a_query_after_close_is_refused_not_left_waiting(tmp_path):
         await svc.query("T", "k", 8, 0, 2**62)
 
 
+async def _held_index(tmp_path, monkeypatch) -> tuple[IndexService, threading.Event]:
+    """An index (STALLED_S 0.5) whose thread is held by a job that waits for the returned event (a progress save's
+    write on a hung disk)."""
+    from broker.store import index as index_mod
+    monkeypatch.setattr(index_mod, "STALLED_S", 0.5, raising=False)
+    svc = IndexService(str(tmp_path), segment_size=1 << 20, slots=16, entries=1000)
+    await svc.open(0, 0)
+    held, go = threading.Event(), threading.Event()
+    svc._q.put(lambda: (held.set(), go.wait(20)))
+    assert await asyncio.to_thread(held.wait, 5)
+    return svc, go
+
+
 @bounded(30)
 async def test_a_query_behind_a_held_index_thread_is_answered_store_error_once_it_is_seen_held(tmp_path, monkeypatch):
     """A query by key queued behind a job that does not return on the index thread (its progress save's write on a
@@ -75,14 +88,8 @@ async def test_a_query_behind_a_held_index_thread_is_answered_store_error_once_i
     StoreError (QUERY_MESSAGE's SYSTEM_ERROR), and stalled_s says how long; when the thread comes through, 0."""
     from protocol.errors import StoreError
 
-    from broker.store import index as index_mod
-    monkeypatch.setattr(index_mod, "STALLED_S", 0.5, raising=False)
-    svc = IndexService(str(tmp_path), segment_size=1 << 20, slots=16, entries=1000)
-    await svc.open(0, 0)
-    held, go = threading.Event(), threading.Event()
+    svc, go = await _held_index(tmp_path, monkeypatch)
     try:
-        svc._q.put(lambda: (held.set(), go.wait(20)))       # (the save that hangs)
-        assert await asyncio.to_thread(held.wait, 5)
         with pytest.raises(StoreError, match="the message index's thread has not come through"):
             await asyncio.wait_for(svc.query("T", "k", 32, 0, 2**62), 10)
         assert svc.stalled_s() > 0.5
@@ -133,14 +140,8 @@ async def test_a_query_while_the_index_thread_is_seen_held_is_refused_without_qu
     once now, nothing queued."""
     from protocol.errors import StoreError
 
-    from broker.store import index as index_mod
-    monkeypatch.setattr(index_mod, "STALLED_S", 0.5, raising=False)
-    svc = IndexService(str(tmp_path), segment_size=1 << 20, slots=16, entries=1000)
-    await svc.open(0, 0)
-    held, go = threading.Event(), threading.Event()
+    svc, go = await _held_index(tmp_path, monkeypatch)
     try:
-        svc._q.put(lambda: (held.set(), go.wait(20)))       # (the save that hangs)
-        assert await asyncio.to_thread(held.wait, 5)
         with pytest.raises(StoreError):                     # the first: waits until the thread is seen held
             await asyncio.wait_for(svc.query("T", "k", 32, 0, 2**62), 10)
         queued = svc._q.qsize()
