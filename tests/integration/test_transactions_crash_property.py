@@ -103,7 +103,10 @@ async def _admin(addr: str, code: int, half_at: int, **fields: str) -> bool:
 
 
 def _keys(bodies, ledger: Ledger) -> set[str]:
-    return {ledger.key[body] for body in bodies}
+    """The uniq keys of those acknowledged. A dead letter may be of a transaction that has none: its half was stored
+    (SEND_OK) but its END, retried across a kill, was refused TRANSACTION_FAILED because its checks had meanwhile
+    reached the limit and dead-lettered it; send_in_transaction raised, so the ledger counts it failed."""
+    return {ledger.key[body] for body in bodies if body in ledger.key}
 
 
 def _dead_now(dead: list[bytes], delivered: list[bytes], ledger: Ledger, pending: set[str]) -> set[bytes]:
