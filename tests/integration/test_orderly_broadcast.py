@@ -205,33 +205,44 @@ async def test_an_unknown_consume_from_is_refused_at_once(where):
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, consume_from=where)
 
 
-@bounded(30)
-async def test_a_broadcasting_consumers_start_at_the_end_is_saved_before_its_first_message(broker, tmp_path):
-    """consume_from="last": a queue this consumer never read starts at its end, and that start was saved only at the
-    first flush of its offsets (offset_commit_interval_s): killed before it, the consumer started again at the end
-    of that moment and passed over everything sent meanwhile. The start is in the file before the first message."""
-    topic, group = "NewsFromNow", "CG_broadcast_last"
+def _broadcasting_from_last(broker, tmp_path, group: str, instance: str) -> tuple[PushConsumer, asyncio.Queue]:
+    """A BROADCASTING consumer starting at the end, its offsets under tmp_path, no flush round in the test's time;
+    and the queue its messages arrive on."""
     got: asyncio.Queue = asyncio.Queue()
 
     async def listener(msg):
         got.put_nowait(msg)
         return ConsumeStatus.CONSUME_SUCCESS
 
-    consumer = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name="late",
-                            offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
-                            offset_commit_interval_s=3600)
+    return PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name=instance,
+                        offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
+                        offset_commit_interval_s=3600), got
+
+
+async def _first_probe(producer, topic: str, got: asyncio.Queue):
+    """Probes until one arrives (the test's deadline bounds it): those sent before a queue's loop read its end are
+    passed over, as they should be."""
+    while True:
+        await producer.send(topic, b"probe")
+        try:
+            return await asyncio.wait_for(got.get(), 0.5)
+        except asyncio.TimeoutError:
+            continue
+
+
+@bounded(30)
+async def test_a_broadcasting_consumers_start_at_the_end_is_saved_before_its_first_message(broker, tmp_path):
+    """consume_from="last": a queue this consumer never read starts at its end, and that start was saved only at the
+    first flush of its offsets (offset_commit_interval_s): killed before it, the consumer started again at the end
+    of that moment and passed over everything sent meanwhile. The start is in the file before the first message."""
+    topic, group = "NewsFromNow", "CG_broadcast_last"
+    consumer, got = _broadcasting_from_last(broker, tmp_path, group, "late")
     consumer.subscribe(topic)
     async with Producer(broker.namesrv, "PG_broadcast_last") as producer:
         await producer.send(topic, b"before")          # makes the topic: never this consumer's to read
         await consumer.start()
         try:
-            while True:     # probes sent before a queue's loop read its end are passed over, as they should be
-                await producer.send(topic, b"probe")
-                try:
-                    first = await asyncio.wait_for(got.get(), 0.5)
-                    break
-                except asyncio.TimeoutError:
-                    continue
+            first = await _first_probe(producer, topic, got)
             saved = list((tmp_path / "offsets").glob(f"*@late/{group}/offsets.json"))    # no flush round yet
             assert saved, "no start saved before the first message: killed now, it starts at the end again"
             table = json.loads(saved[0].read_text())["offsetTable"]
@@ -247,15 +258,7 @@ async def test_a_start_that_cannot_be_saved_is_said_and_consuming_goes_on(broker
     goes). Each queue's start is said not stored, at WARNING, and the queue is consumed all the same (the commit
     round tries again)."""
     topic, group = "NewsUnsaved", "CG_broadcast_unsaved"
-    got: asyncio.Queue = asyncio.Queue()
-
-    async def listener(msg):
-        got.put_nowait(msg)
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer(broker.namesrv, group, listener, message_model="BROADCASTING", instance_name="unsaved",
-                            offset_store_dir=str(tmp_path / "offsets"), consume_from="last", suspend_ms=300,
-                            offset_commit_interval_s=3600)
+    consumer, got = _broadcasting_from_last(broker, tmp_path, group, "unsaved")
     consumer.offset_store.path.with_suffix(".tmp").mkdir(parents=True)
     consumer.subscribe(topic)
     async with Producer(broker.namesrv, "PG_broadcast_unsaved") as producer:
@@ -263,13 +266,7 @@ async def test_a_start_that_cannot_be_saved_is_said_and_consuming_goes_on(broker
         with caplog.at_level(logging.WARNING, logger="txmq.consumer"):
             await consumer.start()
             try:
-                while True:     # probes sent before a queue's loop read its end are passed over
-                    await producer.send(topic, b"probe")
-                    try:
-                        await asyncio.wait_for(got.get(), 0.5)
-                        break
-                    except asyncio.TimeoutError:
-                        continue
+                await _first_probe(producer, topic, got)
             finally:
                 await consumer.shutdown()
     said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
