@@ -40,6 +40,7 @@ from protocol.connection import DEFERRED
 from protocol.message import Prop, decode_record, offset_msg_id, record_body_length
 
 from ..answer import Answer
+from ..limits import EveryKey
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
@@ -108,6 +109,8 @@ class TransactionService:
         self._snapshot_task: asyncio.Task | None = None
         self.snapshot_held = False      # a snapshot held back for decisions waiting for disk space (said once)
         self._rr = 0
+        # COMMITs of dead-lettered transactions said: each once a minute, 20 a minute in all (a client may repeat them)
+        self._dead_commit_said = EveryKey(60, total=20)
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
@@ -544,10 +547,21 @@ class TransactionService:
             # was lost with only a log line; counted, a producer ending transactions it cannot have is seen.
             metrics.refused.labels("end-no-half").inc()
             return
-        counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates,
-                   "conflict": metrics.conflicts}.get(reply.event)
+        if reply.event == "commit-after-dead":
+            self._commit_after_dead(reply, group)
+        counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates, "conflict": metrics.conflicts,
+                   "commit-after-dead": metrics.conflicts}.get(reply.event)
         if counter is not None:
             metrics.child(counter, group).inc()
+
+    def _commit_after_dead(self, reply: Reply, group: str) -> None:
+        """A COMMIT for a dead-lettered transaction: its producer committed, its message sits on the dead-letter
+        topic. Said among the conflicts alone (one line a 10 s for all), nobody knew which to resume: counted apart
+        (alert TxmqCommitAfterDeadLetter) and said with the resume it needs, once a minute a transaction."""
+        metrics = self.ctx.metrics
+        metrics.child(metrics.commits_after_dead, group).inc()
+        if self._dead_commit_said.due(reply.remark):
+            log.error("group %s committed a transaction already dead-lettered: %s", group, reply.remark)
 
     @staticmethod
     async def _answer(deciding) -> tuple[int, str]:
@@ -568,7 +582,7 @@ class TransactionService:
                 break
             await asyncio.shield(self._deciding[half_offset])
         if isinstance(action, Reply):
-            if action.event in ("duplicate", "conflict"):
+            if action.event in ("duplicate", "conflict", "commit-after-dead"):
                 self._count(action, group or self._group_of(half_offset))
             if action.code != ResponseCode.SUCCESS:
                 raise DecisionError(action.code, action.remark)
