@@ -68,3 +68,24 @@ def test_every_way_out_of_a_group_keeps_the_index_right():
     assert clients.expire(120_000) == ["C1"]
     assert clients.connection_closed(b) == []
     assert (clients.consumers, clients.producers, clients._groups_by_host) == ({}, {}, {})
+
+
+def test_a_producer_expired_on_an_open_connection_has_left_its_group_and_is_told():
+    """Dropped for silence while its connection stays open (its process's consumer heartbeats on it): taken as an
+    UNREGISTER_CLIENT, so its checks in flight go to the group's others at once (on_producer_left); one whose
+    connection closed is not (the close loses its checks); and a heartbeat naming the group again brings it back."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0])
+    told = []
+    clients.on_producer_left = lambda conn, group: told.append((conn, group))
+    open_, closed = _Conn(), _Conn("10.0.0.2")
+    _beat(clients, open_, "C1", producers=["P1"])
+    _beat(clients, closed, producers=["P1"])
+    now[0] = 100_000
+    _beat(clients, open_, "C1")                         # its consumer only
+    closed.is_open = False
+    now[0] = 200_000
+    clients.expire(120_000)
+    assert told == [(open_, "P1")] and clients.left_group(open_, "P1") and not clients.left_group(closed, "P1")
+    _beat(clients, open_, "C1", producers=["P1"])
+    assert not clients.left_group(open_, "P1") and len(clients.producer_channels("P1")) == 1
