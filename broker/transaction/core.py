@@ -620,10 +620,10 @@ class TransactionCore:
                 return Reply(ResponseCode.SUCCESS, f"already {earlier}; UNKNOWN changes nothing", "unknown")
             if earlier == op:
                 return Reply(ResponseCode.SUCCESS, f"already {op}; nothing changed", "duplicate")
-            if earlier == DEAD and op == COMMIT:
+            if earlier == DEAD and op == COMMIT and origin in (Origin.PRODUCER, Origin.CHECK):
                 # Its producer committed its local transaction after the broker gave up checking (or expired the
                 # half): its message waits on the dead-letter topic, which only an operator's resume delivers.
-                # RocketMQ 4.9.8 delivers such a late COMMIT; refused here as any conflict, said once a 10 s.
+                # RocketMQ 4.9.8 delivers such a late COMMIT. (An admin's resolve is a conflict: its remark says.)
                 return Reply(ResponseCode.TRANSACTION_FAILED,
                              f"transaction already DEAD (dead-lettered); COMMIT refused: its message is on the "
                              f"dead-letter topic, `admin resume {half_offset}` checks it again", "commit-after-dead")

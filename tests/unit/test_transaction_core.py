@@ -120,6 +120,21 @@ def test_a_failed_write_leaves_it_pending_and_checked_again():
     assert s.checks_sent == [1]
 
 
+def test_a_producers_commit_of_a_dead_letter_is_told_apart_from_other_conflicts():
+    """Its producer committed after the dead letter: its message waits on the dead-letter topic (the service
+    counts and says it, with the resume it needs). An admin's resolve, or a rollback, is a plain conflict."""
+    s = Shell()
+    s.half(1)
+    s.finish(s.end(1, DEAD, origin=Origin.MAX_CHECKS, group=None))
+    for origin in (Origin.PRODUCER, Origin.CHECK):
+        late = s.end(1, COMMIT, origin=origin)
+        assert (late.code, late.event) == (ResponseCode.TRANSACTION_FAILED, "commit-after-dead")
+        assert "admin resume 1" in late.remark
+    assert s.end(1, COMMIT, origin=Origin.ADMIN, group=None).event == "conflict"
+    assert s.end(1, ROLLBACK).event == "conflict"
+    assert s.decisions[1] == DEAD and 1 not in s.core.pending
+
+
 def test_unknown_is_recorded_and_the_check_schedule_stands():
     s = Shell()
     s.half(1)
