@@ -200,3 +200,54 @@ async def test_a_check_in_flight_to_a_producer_dropped_for_silence_is_asked_agai
     finally:
         leaver.close()
         stayer.close()
+
+
+@bounded(40)
+async def test_a_half_sent_on_a_connection_that_never_heartbeats_is_checked_there_after_its_silence(broker_factory):
+    """A Java client before 4.5.1 sends on the VIP channel (port - 2) and heartbeats on the broker port: the
+    connection its half came on never names a group in a heartbeat, and is dropped from the group for silence
+    channel_expire_ms after its last send. It has not left the group (its process is a producer of it, and answers
+    a check on any of its connections), so it is not taken as having left: its half is still checked there first,
+    not rerouted to another instance of the group that never heard of the transaction. (Its other requests, the
+    process's other sends, keep it open: a connection that sends nothing at all is closed at channel_expire_ms.)"""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "4000",
+                       "--channel-expire-ms", "1500")
+    host, _, port = b.broker.rpartition(":")
+    sender, other = Checked(answers=True), Checked(answers=False)
+    sends = await open_connection(host, int(port), sender)                  # the process's VIP connection
+    beats = await open_connection(host, int(port), Checked(answers=True))   # the same process's heartbeats
+    instance = await open_connection(host, int(port), other)                # another instance of the group
+    producers = RemotingCommand.request(RequestCode.GET_PRODUCER_CONNECTION_LIST, {"producerGroup": GROUP})
+    try:
+        created = await beats.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        beating = ((beats, _heartbeat("process", [GROUP])), (instance, _heartbeat("instance", [GROUP])),
+                   (sends, producers))      # (its other requests: no heartbeat, no half of the group)
+        for conn, beat in beating[:2]:
+            assert (await conn.request(beat, 5)).code == ResponseCode.SUCCESS
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+        sent = await sends.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                           b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        dropped = asyncio.Event()
+
+        async def watch() -> None:      # until the registry has dropped the silent connection from the group
+            while len(json.loads((await beats.request(producers, 5)).body_bytes())["connectionSet"]) != 2:
+                await asyncio.sleep(0.05)
+            dropped.set()
+
+        watching = asyncio.ensure_future(watch())
+        assert await _heartbeats_until(dropped, *beating), f"never dropped from its group:\n{b.log()}"
+        await watching
+        assert not sender.asked.is_set() and not other.asked.is_set(), "checked before the drop: raise the timeout"
+        asked = asyncio.Event()
+        for checked in (sender, other):
+            checked.asked = asked
+        assert await _heartbeats_until(asked, *beating, rounds=150), f"never checked:\n{b.log()}"
+        assert (len(sender.checks), len(other.checks)) == (1, 0), "its check went to another instance"
+        await _committed_is_pulled(beats)
+    finally:
+        for conn in (sends, beats, instance):
+            conn.close()
