@@ -610,7 +610,11 @@ class ClientRegistry:
                 # Its connection open (kept by the process's other clients' heartbeats), as an UNREGISTER_CLIENT
                 # that never came: its checks in flight were otherwise taken as lost only an interval later, and
                 # it was still asked first (RocketMQ's scan closes the channel; the checks are lost with it).
-                if self._mark_left(conn, name):
+                # Only a connection a heartbeat named: its heartbeats stopped naming the group. One that never
+                # heartbeats joined by its half sends alone (a pre-4.5.1 Java client's VIP channel, port - 2, its
+                # heartbeats on the broker port): its silence in the group says nothing of its producer, which
+                # answers a check there; marked, its halves' checks went to another instance of the group.
+                if getattr(conn, "attributes", {}).get("client_id") is not None and self._mark_left(conn, name):
                     dropped.append((conn, name))
         for group in self.consumers.values():
             stale = [c for c, ch in group.channels.items() if ch.last_seen_ms < cutoff or not ch.alive]

@@ -89,3 +89,17 @@ def test_a_producer_expired_on_an_open_connection_has_left_its_group_and_is_told
     assert told == [(open_, "P1")] and clients.left_group(open_, "P1") and not clients.left_group(closed, "P1")
     _beat(clients, open_, "C1", producers=["P1"])
     assert not clients.left_group(open_, "P1") and len(clients.producer_channels("P1")) == 1
+
+
+def test_a_producer_no_heartbeat_named_is_not_taken_as_having_left_when_expired():
+    """One that joined by its half sends alone (a pre-4.5.1 Java client's VIP channel: its heartbeats go to the
+    broker port) is dropped for silence, but has not left: its process answers a check on it."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0])
+    told = []
+    clients.on_producer_left = lambda conn, group: told.append((conn, group))
+    vip = _Conn()
+    assert clients.add_producer("P1", vip, "10.0.0.1:5000")     # (as a half send joins it)
+    now[0] = 200_000
+    clients.expire(120_000)
+    assert told == [] and not clients.left_group(vip, "P1") and clients.producer_channels("P1") == []
