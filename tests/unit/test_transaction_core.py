@@ -404,6 +404,18 @@ def test_a_group_unregistered_on_an_open_connection_loses_its_checks_there_and_o
     assert left.checks == 2 and left.unanswered == 1 and stays.checks == 1
 
 
+def test_groups_left_together_on_an_open_connection_lose_their_checks_in_one_walk():
+    """Dropped from several groups at one expiry (ClientRegistry.expire): their checks on the connection are lost in
+    one call, another group's kept."""
+    s = Shell()
+    a, b, stays = s.half(1, group="PG_a"), s.half(2, group="PG_b"), s.half(3, group="PG_other")
+    s.tick(IMMUNITY)
+    assert s.core.in_flight("conn") == 3
+    s.now += 10
+    assert sorted(s.core.producer_left("conn", frozenset({"PG_a", "PG_b"}), s.now), key=id) == sorted([a, b], key=id)
+    assert s.core.in_flight("conn") == 1 and stays.check_channel == "conn"
+
+
 def test_a_producer_that_closes_its_connection_in_a_loop_spends_one_extra_check_per_scheduled_one():
     """A re-ask lost with its connection again waits its schedule: a producer that reconnects and closes in a
     loop (or a proxy cutting connections) had each close ask again at once and dead-lettered the transaction,
