@@ -364,7 +364,9 @@ class ClientRegistry:
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
         self._left: dict[object, dict[str, None]] = {}
-        self.on_producer_left = None    # callback(conn, group): dropped from it for silence, the connection open
+        # callback(conn, frozenset of groups): dropped from them for silence, the connection open (once a connection
+        # an expiry: told group by group, each call walked every check the connection held)
+        self.on_producer_left = None
         self._locks_swept = clock()
         self.lock_holders_changed = 0             # bumped when a queue's lock holder changes (queue_locks.py saves)
         self._joins = 0                           # producer registrations ever made: each Channel's seq
@@ -602,7 +604,7 @@ class ClientRegistry:
     def expire(self, max_idle_ms: int) -> list[str]:
         cutoff = self.clock() - max_idle_ms
         changed = []
-        dropped = []                # (connection still open, producer group it was dropped from)
+        dropped: dict = {}          # connection still open -> the producer groups it was dropped from
         for name, channels in self.producers.items():
             for conn in [c for c, ch in channels.items() if ch.last_seen_ms < cutoff or not ch.alive]:
                 del channels[conn]
@@ -615,7 +617,7 @@ class ClientRegistry:
                 # heartbeats on the broker port): its silence in the group says nothing of its producer, which
                 # answers a check there; marked, its halves' checks went to another instance of the group.
                 if getattr(conn, "attributes", {}).get("client_id") is not None and self._mark_left(conn, name):
-                    dropped.append((conn, name))
+                    dropped.setdefault(conn, []).append(name)
         for group in self.consumers.values():
             stale = [c for c, ch in group.channels.items() if ch.last_seen_ms < cutoff or not ch.alive]
             for conn in stale:
@@ -625,12 +627,13 @@ class ClientRegistry:
                 changed.append(group.name)
         self._prune()
         if dropped:
+            first, groups = next(iter(dropped.items()))
             log.info("dropped %d producers not heard from for %d ms whose connections are open (first: group %s "
-                     "from %s); their transaction checks in flight are asked of the groups' others", len(dropped),
-                     max_idle_ms, dropped[0][1], peer_host(dropped[0][0]))
+                     "from %s); their transaction checks in flight are asked of the groups' others",
+                     sum(map(len, dropped.values())), max_idle_ms, groups[0], peer_host(first))
             if self.on_producer_left is not None:
-                for conn, group in dropped:
-                    self.on_producer_left(conn, group)
+                for conn, groups in dropped.items():
+                    self.on_producer_left(conn, frozenset(groups))
         return changed
 
     def expire_locks(self, max_live_ms: int, now: int | None = None) -> int:

@@ -1046,10 +1046,11 @@ class TransactionService:
                 done.set_result(None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
 
-    def producer_left(self, conn, group: str) -> None:
-        """``conn`` unregistered its producer of ``group`` and stays open (processors/client.py): the group's checks
-        it holds are asked again of another producer at once, as a closed connection's (core.producer_left)."""
-        self._checks_lost(self.core.producer_left(conn, group, self.ctx.monotonic()))
+    def producer_left(self, conn, groups: str | frozenset) -> None:
+        """``conn`` unregistered its producer of ``groups`` (processors/client.py: one) or was dropped from them for
+        silence (ClientRegistry.on_producer_left: a set) and stays open: the groups' checks it holds are asked
+        again of another producer at once, as a closed connection's (core.producer_left)."""
+        self._checks_lost(self.core.producer_left(conn, groups, self.ctx.monotonic()))
 
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:

@@ -86,7 +86,7 @@ def test_a_producer_expired_on_an_open_connection_has_left_its_group_and_is_told
     closed.is_open = False
     now[0] = 200_000
     clients.expire(120_000)
-    assert told == [(open_, "P1")] and clients.left_group(open_, "P1") and not clients.left_group(closed, "P1")
+    assert told == [(open_, frozenset({"P1"}))] and clients.left_group(open_, "P1") and not clients.left_group(closed, "P1")
     _beat(clients, open_, "C1", producers=["P1"])
     assert not clients.left_group(open_, "P1") and len(clients.producer_channels("P1")) == 1
 

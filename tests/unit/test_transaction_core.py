@@ -408,6 +408,7 @@ def test_groups_left_together_on_an_open_connection_lose_their_checks_in_one_wal
     """Dropped from several groups at one expiry (ClientRegistry.expire): their checks on the connection are lost in
     one call, another group's kept."""
     s = Shell()
+    s.CAP = 3
     a, b, stays = s.half(1, group="PG_a"), s.half(2, group="PG_b"), s.half(3, group="PG_other")
     s.tick(IMMUNITY)
     assert s.core.in_flight("conn") == 3
