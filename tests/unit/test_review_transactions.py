@@ -956,4 +956,4 @@ async def test_every_commit_after_a_dead_letter_is_named_even_past_the_lines_a_m
     assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
     ctx.tx.say_unsaid_dead_commits()        # said once
     assert caplog.text == text
-    await ctx.store.close()
+    await ctx.store._store.close()
