@@ -364,6 +364,9 @@ class ClientRegistry:
         # connection between all its producers and consumers): no longer asked about those groups' halves.
         # In the order they were left (a dict as an ordered set), at most _LEFT_MAX a connection.
         self._left: dict[object, dict[str, None]] = {}
+        # callback(conn, frozenset of groups): dropped from them for silence, the connection open (once a connection
+        # an expiry: told group by group, each call walked every check the connection held)
+        self.on_producer_left = None
         self._locks_swept = clock()
         self.lock_holders_changed = 0             # bumped when a queue's lock holder changes (queue_locks.py saves)
         self._joins = 0                           # producer registrations ever made: each Channel's seq
@@ -550,15 +553,8 @@ class ClientRegistry:
             gone = self.producers.get(producer_group, {}).pop(conn, None) is not None
             if gone:
                 self._left_group(conn, self._producing, producer_group)
-            if gone and getattr(conn, "is_open", False):
-                left = self._left.setdefault(conn, {})
-                left[producer_group] = None
-                # Nor may one joining and leaving group after group (a producer made per tenant, on the process's
-                # one connection): the oldest departure is forgotten. Its sender may then be asked again, as
-                # before departures were kept: once while another producer of the group is registered (after an
-                # unanswered check the others are, _channel_for).
-                if len(left) > _LEFT_MAX:
-                    del left[next(iter(left))]
+            if gone:
+                self._mark_left(conn, producer_group)
         if consumer_group:
             group = self.consumers.get(consumer_group)
             if group is not None and group.channels.pop(conn, None) is not None:
@@ -566,6 +562,21 @@ class ClientRegistry:
                 changed.append(consumer_group)
         self._prune([producer_group] if producer_group else (), [consumer_group] if consumer_group else ())
         return changed
+
+    def _mark_left(self, conn, group: str) -> bool:
+        """``conn`` is no producer of ``group`` any more and stays open: its checks of the group's halves will never
+        be answered (left_group). True when it is open (marked)."""
+        if not getattr(conn, "is_open", False):
+            return False
+        left = self._left.setdefault(conn, {})
+        left[group] = None
+        # Nor may one joining and leaving group after group (a producer made per tenant, on the process's
+        # one connection): the oldest departure is forgotten. Its sender may then be asked again, as
+        # before departures were kept: once while another producer of the group is registered (after an
+        # unanswered check the others are, _channel_for).
+        if len(left) > _LEFT_MAX:
+            del left[next(iter(left))]
+        return True
 
     def _prune(self, producer_groups=None, consumer_groups=None) -> None:
         """Forget groups nobody is in (these, or all), so clients cycling through group names cannot grow memory."""
@@ -593,10 +604,20 @@ class ClientRegistry:
     def expire(self, max_idle_ms: int) -> list[str]:
         cutoff = self.clock() - max_idle_ms
         changed = []
+        dropped: dict = {}          # connection still open -> the producer groups it was dropped from
         for name, channels in self.producers.items():
             for conn in [c for c, ch in channels.items() if ch.last_seen_ms < cutoff or not ch.alive]:
                 del channels[conn]
                 self._left_group(conn, self._producing, name)
+                # Its connection open (kept by the process's other clients' heartbeats), as an UNREGISTER_CLIENT
+                # that never came: its checks in flight were otherwise taken as lost only an interval later, and
+                # it was still asked first (RocketMQ's scan closes the channel; the checks are lost with it).
+                # Only a connection a heartbeat named: its heartbeats stopped naming the group. One that never
+                # heartbeats joined by its half sends alone (a pre-4.5.1 Java client's VIP channel, port - 2, its
+                # heartbeats on the broker port): its silence in the group says nothing of its producer, which
+                # answers a check there; marked, its halves' checks went to another instance of the group.
+                if getattr(conn, "attributes", {}).get("client_id") is not None and self._mark_left(conn, name):
+                    dropped.setdefault(conn, []).append(name)
         for group in self.consumers.values():
             stale = [c for c, ch in group.channels.items() if ch.last_seen_ms < cutoff or not ch.alive]
             for conn in stale:
@@ -605,6 +626,14 @@ class ClientRegistry:
             if stale:
                 changed.append(group.name)
         self._prune()
+        if dropped:
+            first, groups = next(iter(dropped.items()))
+            log.info("dropped %d producers not heard from for %d ms whose connections are open (first: group %s "
+                     "from %s); their transaction checks in flight are asked of the groups' others",
+                     sum(map(len, dropped.values())), max_idle_ms, groups[0], peer_host(first))
+            if self.on_producer_left is not None:
+                for conn, groups in dropped.items():
+                    self.on_producer_left(conn, frozenset(groups))
         return changed
 
     def expire_locks(self, max_live_ms: int, now: int | None = None) -> int:

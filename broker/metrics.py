@@ -213,6 +213,10 @@ class BrokerMetrics:
         self.conflicts = Counter("txmq_conflicting_decisions",
                                  "Decisions refused because another was recorded first.", ["producer_group"],
                                  registry=r)
+        self.commits_after_dead = Counter("txmq_transaction_commits_after_dead_letter",
+                                          "COMMITs refused because the transaction was dead-lettered first: its "
+                                          "producer committed, its message is on the dead-letter topic until an "
+                                          "operator resumes it.", ["producer_group"], registry=r)
         self.duplicates = Counter("txmq_duplicate_decisions", "Repeated identical decisions acknowledged.",
                                   ["producer_group"], registry=r)
         self.checks_sent = Counter("txmq_transaction_checks", "CHECK_TRANSACTION_STATE sent.", ["producer_group"],

@@ -261,6 +261,7 @@ class BrokerServer:
         ctx.retention = Retention(ctx)
         if not slave:       # a slave writes nothing of its own: no checks or deliveries
             clients.on_new_producer = ctx.tx.producer_joined
+            clients.on_producer_left = ctx.tx.producer_left    # (dropped for silence, its connection open)
             ctx.tx.start()
             ctx.schedule.start()
         # A slave cleans its disk as its master does (RocketMQ's CleanCommitLogService runs on both): keeping

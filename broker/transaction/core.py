@@ -620,6 +620,13 @@ class TransactionCore:
                 return Reply(ResponseCode.SUCCESS, f"already {earlier}; UNKNOWN changes nothing", "unknown")
             if earlier == op:
                 return Reply(ResponseCode.SUCCESS, f"already {op}; nothing changed", "duplicate")
+            if earlier == DEAD and op == COMMIT and origin in (Origin.PRODUCER, Origin.CHECK):
+                # Its producer committed its local transaction after the broker gave up checking (or expired the
+                # half): its message waits on the dead-letter topic, which only an operator's resume delivers.
+                # RocketMQ 4.9.8 delivers such a late COMMIT. (An admin's resolve is a conflict: its remark says.)
+                return Reply(ResponseCode.TRANSACTION_FAILED,
+                             f"transaction already DEAD (dead-lettered); COMMIT refused: its message is on the "
+                             f"dead-letter topic, `admin resume {half_offset}` checks it again", "commit-after-dead")
             return Reply(ResponseCode.TRANSACTION_FAILED,
                          f"transaction already {earlier}; {op} refused (the first decision wins)", "conflict")
         if op == UNKNOWN:
@@ -884,20 +891,23 @@ class TransactionCore:
         closed channel and check_not_sent puts it due at once."""
         return self._lose(channel, now, None)
 
-    def producer_left(self, channel, group: str, now: int) -> list[Tx]:
-        """``channel`` unregistered its producer of ``group`` (UNREGISTER_CLIENT) and stays open: the checks of
-        the group's transactions sent on it will never be answered (a Java client drops a check for a group it has
-        no producer of). As channel_closed, for that group's alone: they waited for an interval to be taken as
-        lost, while another producer of the group could have been asked at once. Returns those transactions."""
-        return self._lose(channel, now, group)
+    def producer_left(self, channel, groups: str | frozenset, now: int) -> list[Tx]:
+        """``channel`` unregistered its producer of ``groups`` (UNREGISTER_CLIENT: one; a set of them: dropped
+        from them all for silence at one expiry, ClientRegistry.expire) and stays open: the checks of the groups'
+        transactions sent on it will never be answered (a Java client drops a check for a group it has no
+        producer of). As channel_closed, for those groups' alone: they waited for an interval to be taken as
+        lost, while another producer of the group could have been asked at once. Returns those transactions.
+        One walk for all the groups: a walk a group, 10,000 groups dropped at once with a check each in flight
+        held the loop for 10^8 steps."""
+        return self._lose(channel, now, frozenset((groups,)) if isinstance(groups, str) else groups)
 
-    def _lose(self, channel, now: int, group: str | None) -> list[Tx]:
-        """The checks ``channel`` holds (of ``group``'s transactions, or all) are lost: their slots given back,
+    def _lose(self, channel, now: int, groups: frozenset | None) -> list[Tx]:
+        """The checks ``channel`` holds (of ``groups``' transactions, or all) are lost: their slots given back,
         the sent ones due at ``now`` (_lost). Returns those."""
         held = self.checking.get(channel)
         lost = []
         for off, tx in list((held or {}).items()):
-            if group is not None and tx.group != group:
+            if groups is not None and tx.group not in groups:
                 continue
             del held[off]
             tx.check_channel = None

@@ -40,6 +40,7 @@ from protocol.connection import DEFERRED
 from protocol.message import Prop, decode_record, offset_msg_id, record_body_length
 
 from ..answer import Answer
+from ..limits import EveryKey
 from ..results import put_failure_response, response_code, send_ok
 from ..topics import HALF_TOPIC, OP_TOPIC
 from .check import CheckTimer, Policy
@@ -76,6 +77,9 @@ class DecisionError(Exception):
         self.remark = remark
 
 
+# Dead-lettered transactions committed late, past the ERROR lines a minute, kept to be named at its end
+_UNSAID_MAX = 2000
+
 class TransactionService:
     def __init__(self, ctx):
         c = ctx.config
@@ -108,6 +112,12 @@ class TransactionService:
         self._snapshot_task: asyncio.Task | None = None
         self.snapshot_held = False      # a snapshot held back for decisions waiting for disk space (said once)
         self._rr = 0
+        # COMMITs of dead-lettered transactions said: each once a minute, 20 a minute in all (a client may repeat them)
+        self._dead_commit_said = EveryKey(60, total=20)
+        # ... and those past the 20, named together once the minute is over (say_unsaid_dead_commits): half offset
+        # -> group, at most _UNSAID_MAX (the rest counted), each named once
+        self._dead_commits_unsaid: dict[int, str] = {}
+        self._dead_commits_unsaid_more = 0
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
@@ -260,6 +270,7 @@ class TransactionService:
         failing = False
         while True:
             await asyncio.sleep(self.snapshot_interval_s)
+            self.say_unsaid_dead_commits()
             if not self.changed:
                 continue
             try:
@@ -518,7 +529,7 @@ class TransactionService:
         if held and tx.check_channel is None and self.core.has_parked(tx.group):
             self.timer.wake()
         if isinstance(action, Reply):
-            self._count(action, group)
+            self._count(action, group, half_offset)
             return action.code, action.remark
         if isinstance(action, Write):       # claimed now, before any other request is handled
             done = self._claim(action.tx)
@@ -533,7 +544,7 @@ class TransactionService:
             return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
-    def _count(self, reply: Reply, group: str) -> None:
+    def _count(self, reply: Reply, group: str, half_offset: int | None = None) -> None:
         metrics = self.ctx.metrics
         if reply.event == "not-its-half":   # another group's END, or a wrong offset: refused, counted by reason
             metrics.refused.labels("end-not-its-half").inc()
@@ -544,10 +555,42 @@ class TransactionService:
             # was lost with only a log line; counted, a producer ending transactions it cannot have is seen.
             metrics.refused.labels("end-no-half").inc()
             return
-        counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates,
-                   "conflict": metrics.conflicts}.get(reply.event)
+        if reply.event == "commit-after-dead":
+            self._commit_after_dead(reply, group, half_offset)
+        counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates, "conflict": metrics.conflicts,
+                   "commit-after-dead": metrics.conflicts}.get(reply.event)
         if counter is not None:
             metrics.child(counter, group).inc()
+
+    def _commit_after_dead(self, reply: Reply, group: str, half_offset: int | None) -> None:
+        """A COMMIT for a dead-lettered transaction: its producer committed, its message sits on the dead-letter
+        topic. Said among the conflicts alone (one line a 10 s for all), nobody knew which to resume: counted apart
+        (alert TxmqCommitAfterDeadLetter) and said with the resume it needs, once a minute a transaction."""
+        metrics = self.ctx.metrics
+        metrics.child(metrics.commits_after_dead, group).inc()
+        said = self._dead_commit_said
+        if said.due(reply.remark):
+            log.error("group %s committed a transaction already dead-lettered: %s", group, reply.remark)
+        elif half_offset is not None and said.full() and reply.remark not in said.said:
+            # Past the lines a minute: named with the others at the minute's end. Dropped, they were counted and
+            # named nowhere (a stock client's END comes once), which dead letters to resume known to nobody.
+            unsaid = self._dead_commits_unsaid
+            if half_offset in unsaid or len(unsaid) < _UNSAID_MAX:
+                unsaid[half_offset] = group
+            else:
+                self._dead_commits_unsaid_more += 1
+
+    def say_unsaid_dead_commits(self) -> None:
+        """Name in one ERROR the dead-lettered transactions committed past the lines a minute (_commit_after_dead),
+        once that minute is over; from the snapshot loop."""
+        unsaid, more = self._dead_commits_unsaid, self._dead_commits_unsaid_more
+        if not unsaid or self._dead_commit_said.full():
+            return
+        self._dead_commits_unsaid, self._dead_commits_unsaid_more = {}, 0
+        log.error("%d more transactions already dead-lettered were committed by their producers (groups %s); each "
+                  "is on the dead-letter topic until `admin resume OFFSET` checks it again; offsets: %s%s",
+                  len(unsaid) + more, ", ".join(sorted(set(unsaid.values()))[:20]), " ".join(map(str, unsaid)),
+                  f" (and {more} more, not kept: see txmq_transaction_commits_after_dead_letter_total)" if more else "")
 
     @staticmethod
     async def _answer(deciding) -> tuple[int, str]:
@@ -568,8 +611,8 @@ class TransactionService:
                 break
             await asyncio.shield(self._deciding[half_offset])
         if isinstance(action, Reply):
-            if action.event in ("duplicate", "conflict"):
-                self._count(action, group or self._group_of(half_offset))
+            if action.event in ("duplicate", "conflict", "commit-after-dead"):
+                self._count(action, group or self._group_of(half_offset), half_offset)
             if action.code != ResponseCode.SUCCESS:
                 raise DecisionError(action.code, action.remark)
             return action.remark
@@ -1032,10 +1075,11 @@ class TransactionService:
                 done.set_result(None)
         self._checks_lost(self.core.channel_closed(conn, self.ctx.monotonic()))
 
-    def producer_left(self, conn, group: str) -> None:
-        """``conn`` unregistered its producer of ``group`` and stays open (processors/client.py): the group's checks
-        it holds are asked again of another producer at once, as a closed connection's (core.producer_left)."""
-        self._checks_lost(self.core.producer_left(conn, group, self.ctx.monotonic()))
+    def producer_left(self, conn, groups: str | frozenset) -> None:
+        """``conn`` unregistered its producer of ``groups`` (processors/client.py: one) or was dropped from them for
+        silence (ClientRegistry.on_producer_left: a set) and stays open: the groups' checks it holds are asked
+        again of another producer at once, as a closed connection's (core.producer_left)."""
+        self._checks_lost(self.core.producer_left(conn, groups, self.ctx.monotonic()))
 
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:

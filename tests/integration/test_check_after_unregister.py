@@ -147,3 +147,107 @@ async def test_a_check_in_flight_to_a_producer_that_unregisters_is_asked_again_o
     finally:
         leaver.close()
         stayer.close()
+
+
+async def _heartbeats_until(done: asyncio.Event, *beats, rounds: int = 100) -> bool:
+    """Each of ``beats`` ((connection, heartbeat)) sent every 0.1 s (a client's heartbeat period, shortened, so
+    channel_expire_ms closes neither connection) until ``done`` is set; False if it is not within ``rounds``."""
+    for _ in range(rounds):
+        for conn, beat in beats:
+            assert (await conn.request(beat, 5)).code == ResponseCode.SUCCESS
+        try:
+            await asyncio.wait_for(done.wait(), 0.1)
+            return True
+        except asyncio.TimeoutError:
+            pass
+    return False
+
+
+@bounded(40)
+async def test_a_check_in_flight_to_a_producer_dropped_for_silence_is_asked_again_of_the_group_at_once(broker_factory):
+    """The half's producer stops heartbeating its group without UNREGISTER_CLIENT (the request lost or timed out at
+    its shutdown; a client that drops a producer from its heartbeats), its connection kept open by the process's
+    consumer: after channel_expire_ms the registry drops it from the group, as RocketMQ's scan does (which closes
+    the channel as well). Its check in flight will never be answered (a Java client drops a check for a group it
+    has no producer of) and, the connection open and not marked as having left, it was taken as lost only when it
+    came due again, an interval later (60 s here), its sender asked first again then. It is lost at the drop now,
+    as at an unregistration: deferred while the group has nobody, asked at once of the producer that joins."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "500",
+                       "--channel-expire-ms", "1500")
+    host, _, port = b.broker.rpartition(":")
+    gone, other = Checked(answers=False), Checked(answers=True)
+    leaver = await open_connection(host, int(port), gone)
+    stayer = await open_connection(host, int(port), other)
+    consuming = _heartbeat("leaver", [], ["CG_same_process"])   # the process's consumer, its producer not named
+    producers = RemotingCommand.request(RequestCode.GET_PRODUCER_CONNECTION_LIST, {"producerGroup": GROUP})
+    try:
+        await _a_half_from(leaver)
+        await gone.asked.wait()         # its first check, to its sender: in flight, unanswered
+        dropped = asyncio.Event()
+
+        async def watch() -> None:      # until the registry has dropped the silent producer from its group
+            while (await stayer.request(producers, 5)).code != ResponseCode.SYSTEM_ERROR:
+                await asyncio.sleep(0.05)
+            dropped.set()
+
+        watching = asyncio.ensure_future(watch())
+        assert await _heartbeats_until(dropped, (leaver, consuming)), f"never dropped from its group:\n{b.log()}"
+        await watching
+        assert await _heartbeats_until(other.asked, (leaver, consuming), (stayer, _heartbeat("stayer", [GROUP]))), \
+            f"the check lost with the dropped producer was not asked of the group's new one in 10 s:\n{b.log()}"
+        assert leaver.is_open and len(gone.checks) == 1, gone.checks
+        await _committed_is_pulled(stayer)
+    finally:
+        leaver.close()
+        stayer.close()
+
+
+@bounded(40)
+async def test_a_half_sent_on_a_connection_that_never_heartbeats_is_checked_there_after_its_silence(broker_factory):
+    """A Java client before 4.5.1 sends on the VIP channel (port - 2) and heartbeats on the broker port: the
+    connection its half came on never names a group in a heartbeat, and is dropped from the group for silence
+    channel_expire_ms after its last send. It has not left the group (its process is a producer of it, and answers
+    a check on any of its connections), so it is not taken as having left: its half is still checked there first,
+    not rerouted to another instance of the group that never heard of the transaction. (Its other requests, the
+    process's other sends, keep it open: a connection that sends nothing at all is closed at channel_expire_ms.)"""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "4000",
+                       "--channel-expire-ms", "1500")
+    host, _, port = b.broker.rpartition(":")
+    sender, other = Checked(answers=True), Checked(answers=False)
+    sends = await open_connection(host, int(port), sender)                  # the process's VIP connection
+    beats = await open_connection(host, int(port), Checked(answers=True))   # the same process's heartbeats
+    instance = await open_connection(host, int(port), other)                # another instance of the group
+    producers = RemotingCommand.request(RequestCode.GET_PRODUCER_CONNECTION_LIST, {"producerGroup": GROUP})
+    try:
+        created = await beats.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert created.code == ResponseCode.SUCCESS, created.remark
+        beating = ((beats, _heartbeat("process", [GROUP])), (instance, _heartbeat("instance", [GROUP])),
+                   (sends, producers))      # (its other requests: no heartbeat, no half of the group)
+        for conn, beat in beating[:2]:
+            assert (await conn.request(beat, 5)).code == ResponseCode.SUCCESS
+        h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                     properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+        sent = await sends.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False),
+                                                           b"order 1"), 5)
+        assert sent.code == ResponseCode.SUCCESS, sent.remark
+        dropped = asyncio.Event()
+
+        async def watch() -> None:      # until the registry has dropped the silent connection from the group
+            while len(json.loads((await beats.request(producers, 5)).body_bytes())["connectionSet"]) != 2:
+                await asyncio.sleep(0.05)
+            dropped.set()
+
+        watching = asyncio.ensure_future(watch())
+        assert await _heartbeats_until(dropped, *beating), f"never dropped from its group:\n{b.log()}"
+        await watching
+        assert not sender.asked.is_set() and not other.asked.is_set(), "checked before the drop: raise the timeout"
+        asked = asyncio.Event()
+        for checked in (sender, other):
+            checked.asked = asked
+        assert await _heartbeats_until(asked, *beating, rounds=150), f"never checked:\n{b.log()}"
+        assert (len(sender.checks), len(other.checks)) == (1, 0), "its check went to another instance"
+        await _committed_is_pulled(beats)
+    finally:
+        for conn in (sends, beats, instance):
+            conn.close()

@@ -284,6 +284,33 @@ async def test_a_stock_admins_resume_check_half_message_checks_a_dead_letter_aga
                                               "dead-lettered (it is undecided: pending its checks)")
 
 
+@bounded(60)
+async def test_a_commit_after_the_dead_letter_is_counted_and_said_with_the_resume_it_needs(broker_factory):
+    """A producer whose local transaction outlasted its checks commits after the broker dead-lettered it (RocketMQ
+    4.9.8 delivers such a late COMMIT; txmq's first decision wins): its message sits on the dead-letter topic, and
+    the refusal (oneway for a stock client: nobody hears it) was counted among all conflicts and said in one line
+    a 10 s for all of them, so which dead letters to resume was known to nobody. Counted apart now, and said with
+    its half offset and the resume that delivers it."""
+    b = broker_factory("--transaction-check-interval-ms", "30", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "1")
+    async with TransactionProducer(b.namesrv, "PG_late", Listener(execute=S.UNKNOW, check=S.UNKNOW)) as producer:
+        sent = (await producer.send_in_transaction("TxLate", b"committed late")).send_result
+    half = decode_offset_msg_id(sent.offset_msg_id)[2]
+    async with asyncio.timeout(30):
+        while not await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq_late"):
+            await asyncio.sleep(0.05)
+    end = {"producerGroup": "PG_late", "tranStateTableOffset": sent.queue_offset, "commitLogOffset": half,
+           "commitOrRollback": "8", "fromTransactionCheck": "false", "msgId": sent.msg_id}
+    late = await _admin(b.broker, RequestCode.END_TRANSACTION, end)
+    assert late.code == ResponseCode.TRANSACTION_FAILED and f"admin resume {half}" in late.remark, late.remark
+    assert await _counted(b, "txmq_transaction_commits_after_dead_letter_total", "PG_late") == 1
+    assert "group PG_late committed a transaction already dead-lettered" in b.log()
+    assert f"admin resume {half}" in b.log()
+    rolled = await _admin(b.broker, RequestCode.END_TRANSACTION, {**end, "commitOrRollback": "12"})
+    assert rolled.code == ResponseCode.TRANSACTION_FAILED       # a rollback of it is a plain conflict: no loss
+    assert await _counted(b, "txmq_transaction_commits_after_dead_letter_total", "PG_late") == 1
+
+
 async def test_admin_force_commit(broker_factory):
     b = broker_factory(*NO_CHECKS)      # no check decides it first (its COMMIT made the admin's a no-op)
     async with TransactionProducer(b.namesrv, "PG_admin", Listener(execute=S.UNKNOW, check=S.UNKNOW)) as producer:
@@ -297,13 +324,17 @@ async def test_admin_force_commit(broker_factory):
     assert await _drain(b.namesrv, "TxAdmin", expect=1) == [b"forced"]
 
 
-async def _deferred(b, group: str) -> float:
-    """txmq_transaction_checks_deferred_total of ``group``: checks due with no producer of it to ask."""
+async def _counted(b, metric: str, group: str) -> float:
+    """The counter ``metric`` (labelled by producer group alone) of ``group``, scraped."""
     text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics",
                                                                   timeout=5).read().decode())
-    lines = [line for line in text.splitlines()
-             if line.startswith(f'txmq_transaction_checks_deferred_total{{producer_group="{group}"}}')]
+    lines = [line for line in text.splitlines() if line.startswith(f'{metric}{{producer_group="{group}"}}')]
     return float(lines[0].split()[-1]) if lines else 0.0
+
+
+async def _deferred(b, group: str) -> float:
+    """txmq_transaction_checks_deferred_total of ``group``: checks due with no producer of it to ask."""
+    return await _counted(b, "txmq_transaction_checks_deferred_total", group)
 
 
 async def test_no_live_producer_defers_checks_without_spending_them(broker_factory):

@@ -68,3 +68,56 @@ def test_every_way_out_of_a_group_keeps_the_index_right():
     assert clients.expire(120_000) == ["C1"]
     assert clients.connection_closed(b) == []
     assert (clients.consumers, clients.producers, clients._groups_by_host) == ({}, {}, {})
+
+
+def test_a_producer_expired_on_an_open_connection_has_left_its_group_and_is_told():
+    """Dropped for silence while its connection stays open (its process's consumer heartbeats on it): taken as an
+    UNREGISTER_CLIENT, so its checks in flight go to the group's others at once (on_producer_left); one whose
+    connection closed is not (the close loses its checks); and a heartbeat naming the group again brings it back."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0])
+    told = []
+    clients.on_producer_left = lambda conn, group: told.append((conn, group))
+    open_, closed = _Conn(), _Conn("10.0.0.2")
+    _beat(clients, open_, "C1", producers=["P1"])
+    _beat(clients, closed, producers=["P1"])
+    now[0] = 100_000
+    _beat(clients, open_, "C1")                         # its consumer only
+    closed.is_open = False
+    now[0] = 200_000
+    clients.expire(120_000)
+    assert told == [(open_, frozenset({"P1"}))] and clients.left_group(open_, "P1") and not clients.left_group(closed, "P1")
+    _beat(clients, open_, "C1", producers=["P1"])
+    assert not clients.left_group(open_, "P1") and len(clients.producer_channels("P1")) == 1
+
+
+def test_a_producer_no_heartbeat_named_is_not_taken_as_having_left_when_expired():
+    """One that joined by its half sends alone (a pre-4.5.1 Java client's VIP channel: its heartbeats go to the
+    broker port) is dropped for silence, but has not left: its process answers a check on it."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0])
+    told = []
+    clients.on_producer_left = lambda conn, group: told.append((conn, group))
+    vip = _Conn()
+    assert clients.add_producer("P1", vip, "10.0.0.1:5000")     # (as a half send joins it)
+    now[0] = 200_000
+    clients.expire(120_000)
+    assert told == [] and not clients.left_group(vip, "P1") and clients.producer_channels("P1") == []
+
+
+def test_a_connection_dropped_from_many_groups_at_once_is_told_once_with_them_all():
+    """One expiry pass dropping a connection from many producer groups (max_groups_per_host allows 10,000 a host)
+    tells the transaction service once for the connection, with every group: told group by group, each call walked
+    all the checks the connection held, 10,000 groups x 10,000 checks in flight on one pass of the event loop (36 s
+    measured on a loaded host, every client stalled)."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0])
+    told = []
+    clients.on_producer_left = lambda conn, groups: told.append((conn, groups))
+    conn = _Conn()
+    _beat(clients, conn, "C1", producers=["P1", "P2", "P3"])
+    now[0] = 100_000
+    _beat(clients, conn, "C1")                          # its consumer only
+    now[0] = 200_000
+    clients.expire(120_000)
+    assert told == [(conn, frozenset({"P1", "P2", "P3"}))]

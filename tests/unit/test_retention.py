@@ -641,14 +641,17 @@ async def test_a_young_undecided_half_keeps_its_expired_segment_visibly_until_di
 async def test_an_end_for_a_half_whose_segment_retention_removed_is_refused_and_counted(world):
     """Its decision went with its segment: a very late END (a stock client's oneway one, never answered) gets
     "Find prepared transaction message failed", never a delivery, and is counted under end-no-half; before the
-    segment goes, the expired transaction refuses a COMMIT as the first decision (DEAD) wins."""
+    segment goes, the expired transaction refuses a COMMIT as the first decision (DEAD) wins, counted and said with
+    the resume that would deliver it."""
     ctx, clock, half, old, fresh = world
     plan = await spark_like_plan(ctx, clock.now)
     done, failed = await ctx.tx.dead_letter([half.half_offset], "expired")
     assert done == [half.half_offset] and failed == []
     code, remark = ctx.tx.end(half.half_offset, "COMMIT", group="PG", table_offset=half.queue_offset,
                               from_check=False)
-    assert (code, remark) == (4, "transaction already DEAD; COMMIT refused (the first decision wins)")
+    assert (code, remark) == (4, "transaction already DEAD (dead-lettered); COMMIT refused: its message is on the "
+                                 f"dead-letter topic, `admin resume {half.half_offset}` checks it again")
+    assert ctx.metrics.child(ctx.metrics.commits_after_dead, "PG")._value.get() == 1   # its producer committed
     await Retention(ctx).apply_plan(plan)
     assert ctx.store.get_record(half.half_offset) is None
     refused = ctx.metrics.refused.labels("end-no-half")

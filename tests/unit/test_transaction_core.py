@@ -120,6 +120,21 @@ def test_a_failed_write_leaves_it_pending_and_checked_again():
     assert s.checks_sent == [1]
 
 
+def test_a_producers_commit_of_a_dead_letter_is_told_apart_from_other_conflicts():
+    """Its producer committed after the dead letter: its message waits on the dead-letter topic (the service
+    counts and says it, with the resume it needs). An admin's resolve, or a rollback, is a plain conflict."""
+    s = Shell()
+    s.half(1)
+    s.finish(s.end(1, DEAD, origin=Origin.MAX_CHECKS, group=None))
+    for origin in (Origin.PRODUCER, Origin.CHECK):
+        late = s.end(1, COMMIT, origin=origin)
+        assert (late.code, late.event) == (ResponseCode.TRANSACTION_FAILED, "commit-after-dead")
+        assert "admin resume 1" in late.remark
+    assert s.end(1, COMMIT, origin=Origin.ADMIN, group=None).event == "conflict"
+    assert s.end(1, ROLLBACK).event == "conflict"
+    assert s.decisions[1] == DEAD and 1 not in s.core.pending
+
+
 def test_unknown_is_recorded_and_the_check_schedule_stands():
     s = Shell()
     s.half(1)
@@ -387,6 +402,19 @@ def test_a_group_unregistered_on_an_open_connection_loses_its_checks_there_and_o
     assert s.core.producer_left("conn", "PG", s.now) == []      # nothing held twice
     s.tick(0)
     assert left.checks == 2 and left.unanswered == 1 and stays.checks == 1
+
+
+def test_groups_left_together_on_an_open_connection_lose_their_checks_in_one_walk():
+    """Dropped from several groups at one expiry (ClientRegistry.expire): their checks on the connection are lost in
+    one call, another group's kept."""
+    s = Shell()
+    s.CAP = 3
+    a, b, stays = s.half(1, group="PG_a"), s.half(2, group="PG_b"), s.half(3, group="PG_other")
+    s.tick(IMMUNITY)
+    assert s.core.in_flight("conn") == 3
+    s.now += 10
+    assert sorted(s.core.producer_left("conn", frozenset({"PG_a", "PG_b"}), s.now), key=id) == sorted([a, b], key=id)
+    assert s.core.in_flight("conn") == 1 and stays.check_channel == "conn"
 
 
 def test_a_producer_that_closes_its_connection_in_a_loop_spends_one_extra_check_per_scheduled_one():
