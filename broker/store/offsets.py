@@ -167,6 +167,11 @@ class ConsumerOffsets:
             self._dirty = True
             self._changes += 1
 
+    def forget(self, group: str, topic: str, queue_id: int) -> None:
+        """No offset for the queue any more (a negative commit: RocketMQ keeps it, read back as none)."""
+        if (group, topic, queue_id) in self._table:
+            self._remove([(group, topic, queue_id)])
+
     def has(self, group: str, topic: str, queue_id: int) -> bool:
         return (group, topic, queue_id) in self._table
 

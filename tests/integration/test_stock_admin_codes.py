@@ -620,3 +620,47 @@ async def test_consume_time_span_of_an_empty_queue_is_no_times_and_not_behind(br
     assert sorted(s["messageQueue"]["queueId"] for s in spans) == [0, 1]
     for s in spans:
         assert (s["minTimeStamp"], s["maxTimeStamp"], s["consumeTimeStamp"], s["delayTime"]) == (-1, -1, -1, 0), s
+
+
+def _saved_offsets(broker) -> dict:
+    """config/consumerOffset.json's offsetTable (the key is left out with no offset)."""
+    return json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text()).get("offsetTable", {})
+
+
+@bounded(30)
+async def test_a_negative_committed_offset_forgets_the_queues_offset_as_4_9_8_reads_it(broker):
+    """UPDATE_CONSUMER_OFFSET with commitOffset -1 was answered SUCCESS and stored nothing: the group went on from
+    the offset the client had just taken away (3, read back after the SUCCESS). RocketMQ 4.9.8 keeps the -1
+    (ConsumerOffsetManager.commitOffset) and reads it back as no offset: QUERY_CONSUMER_OFFSET answers as for a
+    group that never committed (0 while the queue's first message is in memory). The forgetting of a client that
+    is no consumer of the group (an admin tool) is on disk before SUCCESS, as its moves are."""
+    conn = await _connect(broker.broker)
+    try:
+        for i in range(4):
+            reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
+                "a": "PG_neg", "b": "NegT", "c": "TBW102", "d": 1, "e": 0, "f": 0, "g": 0, "h": 0,
+                "i": "", "j": 0}, f"m{i}".encode()), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+        async def commit(offset: int) -> None:
+            reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_neg", "topic": "NegT", "queueId": 0, "commitOffset": offset}), 5)
+            assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+
+        async def stored() -> int:
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_neg", "topic": "NegT", "queueId": 0}), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+            return int(reply.ext_fields["offset"])
+
+        await commit(3)
+        assert await stored() == 3
+        assert _saved_offsets(broker).get("NegT@CG_neg") == {"0": 3}
+        await commit(-1)
+        assert await stored() == 0          # as a group that never committed: the queue read from its start
+        assert "NegT@CG_neg" not in _saved_offsets(broker)     # on disk at SUCCESS
+        await commit(-1)                    # nothing to forget: nothing changes
+        await commit(2)
+        assert await stored() == 2
+    finally:
+        conn.close()
