@@ -167,6 +167,10 @@ class ConsumerOffsets:
             self._dirty = True
             self._changes += 1
 
+    def of(self, group: str, topic: str) -> dict[int, int]:
+        """``group``'s offsets on ``topic`` by queue id (O(its queues))."""
+        return {q: self._table[(group, topic, q)] for q in self._topics.get(group, {}).get(topic, ())}
+
     def forget(self, group: str, topic: str, queue_id: int) -> None:
         """No offset for the queue any more (a negative commit: RocketMQ keeps it, read back as none)."""
         if (group, topic, queue_id) in self._table:

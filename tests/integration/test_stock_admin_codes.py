@@ -627,6 +627,20 @@ def _saved_offsets(broker) -> dict:
     return json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text()).get("offsetTable", {})
 
 
+async def _send_to_queue(conn, topic: str, qid: int, n: int) -> None:
+    for i in range(n):
+        reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
+            "a": "PG_offsets", "b": topic, "c": "TBW102", "d": 4, "e": qid, "f": 0, "g": 0, "h": 0,
+            "i": "", "j": 0}, f"m{i}".encode()), 5)
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+
+async def _commit(conn, group: str, topic: str, qid: int, offset: int) -> None:
+    reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": topic, "queueId": qid, "commitOffset": offset}), 5)
+    assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+
+
 @bounded(30)
 async def test_a_negative_committed_offset_forgets_the_queues_offset_as_4_9_8_reads_it(broker):
     """UPDATE_CONSUMER_OFFSET with commitOffset -1 was answered SUCCESS and stored nothing: the group went on from
@@ -636,16 +650,7 @@ async def test_a_negative_committed_offset_forgets_the_queues_offset_as_4_9_8_re
     is no consumer of the group (an admin tool) is on disk before SUCCESS, as its moves are."""
     conn = await _connect(broker.broker)
     try:
-        for i in range(4):
-            reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
-                "a": "PG_neg", "b": "NegT", "c": "TBW102", "d": 1, "e": 0, "f": 0, "g": 0, "h": 0,
-                "i": "", "j": 0}, f"m{i}".encode()), 5)
-            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
-
-        async def commit(offset: int) -> None:
-            reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
-                "consumerGroup": "CG_neg", "topic": "NegT", "queueId": 0, "commitOffset": offset}), 5)
-            assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        await _send_to_queue(conn, "NegT", 0, 4)
 
         async def stored() -> int:
             reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUMER_OFFSET, {
@@ -653,14 +658,61 @@ async def test_a_negative_committed_offset_forgets_the_queues_offset_as_4_9_8_re
             assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
             return int(reply.ext_fields["offset"])
 
-        await commit(3)
+        await _commit(conn, "CG_neg", "NegT", 0, 3)
         assert await stored() == 3
         assert _saved_offsets(broker).get("NegT@CG_neg") == {"0": 3}
-        await commit(-1)
+        await _commit(conn, "CG_neg", "NegT", 0, -1)
         assert await stored() == 0          # as a group that never committed: the queue read from its start
         assert "NegT@CG_neg" not in _saved_offsets(broker)     # on disk at SUCCESS
-        await commit(-1)                    # nothing to forget: nothing changes
-        await commit(2)
+        await _commit(conn, "CG_neg", "NegT", 0, -1)            # nothing to forget: nothing changes
+        await _commit(conn, "CG_neg", "NegT", 0, 2)
         assert await stored() == 2
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_clone_group_offset_makes_the_destinations_offsets_the_sources_as_4_9_8(broker):
+    """CLONE_GROUP_OFFSET (314, DefaultMQAdminExt.cloneGroupOffset) was REQUEST_CODE_NOT_SUPPORTED. Answered as
+    4.9.8's AdminBrokerProcessor: the destination's offsets on the topic become the source's (its queue the source
+    has none on dropped), on disk before SUCCESS; a topic none of the source's online members subscribes to is
+    left out unless offline; no topic: every topic the source holds offsets on (4.9.8 clones the topic "null")."""
+    conn = await _connect(broker.broker)
+
+    async def clone(src: str, dest: str, topic: str | None, offline: bool = False) -> RemotingCommand:
+        fields = {"srcGroup": src, "destGroup": dest, "offline": offline, **({"topic": topic} if topic else {})}
+        return await conn.request(RemotingCommand.request(R.CLONE_GROUP_OFFSET, fields), 5)
+
+    try:
+        for topic in ("CloneT", "Clone2T"):
+            await _send_to_queue(conn, topic, 0, 4)
+            await _commit(conn, "CG_src", topic, 0, 3)
+            await _commit(conn, "CG_src", topic, 1, 0)
+        await _commit(conn, "CG_dest", "CloneT", 0, 1)
+        await _commit(conn, "CG_dest", "CloneT", 2, 0)
+        reply = await clone("CG_src", "CG_dest", "CloneT")
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        saved = _saved_offsets(broker)
+        assert saved["CloneT@CG_dest"] == {"0": 3, "1": 0}         # queue 2 dropped, as cloneOffset's put
+        assert "Clone2T@CG_dest" not in saved
+        reply = await clone("CG_src", "CG_all", None)
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        saved = _saved_offsets(broker)
+        assert saved["CloneT@CG_all"] == saved["Clone2T@CG_all"] == {"0": 3, "1": 0}
+        nothing = await clone("CG_nobody", "CG_none", "CloneT")     # SUCCESS as 4.9.8, said in the remark
+        assert nothing.code == ResponseCode.SUCCESS and "holds none on topic CloneT" in nothing.remark
+        assert not any(k.endswith("@CG_none") for k in _saved_offsets(broker))
+        member = await _connect(broker.broker)          # CG_src online, subscribed to Orders only
+        try:
+            beat = await member.request(_consumer_heartbeat("10.0.0.9@9", "CG_src"), 5)
+            assert beat.code == ResponseCode.SUCCESS
+            online = await clone("CG_src", "CG_online", "CloneT")
+            assert online.code == ResponseCode.SUCCESS and "subscribes to" in online.remark
+            assert "CloneT@CG_online" not in _saved_offsets(broker)
+            reply = await clone("CG_src", "CG_online", "CloneT", offline=True)
+            assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+            assert _saved_offsets(broker)["CloneT@CG_online"] == {"0": 3, "1": 0}
+        finally:
+            member.close()
     finally:
         conn.close()
