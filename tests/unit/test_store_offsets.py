@@ -201,6 +201,19 @@ def test_the_offsets_a_client_made_are_counted_until_they_go(tmp_path):
     assert offsets.made_by("10.0.0.1") == 1 and offsets.has("B", "T", 0) and not offsets.has("A", "T", 0)
 
 
+def test_a_forgotten_queue_leaves_its_groups_other_queues_and_gives_its_makers_room_back(tmp_path):
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("A", "T", 0, 5, "10.0.0.1")
+    offsets.commit("A", "T", 1, 6, "10.0.0.1")
+    offsets.commit("A", "U", 0, 7, "10.0.0.1")
+    offsets.forget("A", "T", 0)
+    offsets.forget("A", "T", 9)                          # none there: nothing changes
+    assert offsets.of("A", "T") == {1: 6} and offsets.made_by("10.0.0.1") == 2
+    offsets.forget("A", "T", 1)
+    assert offsets.of("A", "T") == {} and offsets.topics_of("A") == ["U"] and not offsets.holds("A", "T")
+    assert offsets.groups_of("T") == set() and offsets.made_by("10.0.0.1") == 1
+
+
 def test_who_made_each_offset_is_saved_and_counted_again(tmp_path):
     offsets = ConsumerOffsets(str(tmp_path))
     offsets.commit("g", "T", 0, 5, "10.0.0.1")
