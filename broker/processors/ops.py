@@ -470,7 +470,8 @@ async def clone_group_offset(ctx, conn, cmd):
             if not ctx.offsets.has(dest, t, qid):
                 full = ctx.limits.offsets_full(ctx.offsets, dest, t, qid)
                 if full is not None:
-                    done = f"offsets of group {src} cloned to {dest} on {', '.join(cloned) or 'no topic'} before it"
+                    done = (f"offsets of group {src} cloned to {dest} on {', '.join(cloned) or 'no topic'} before "
+                            f"it, and {t}'s in part")
                     return await offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SYSTEM_ERROR,
                                                                             f"{full} ({done})"))
             ctx.offsets.commit(dest, t, qid, offset, peer_host(conn))
@@ -479,7 +480,10 @@ async def clone_group_offset(ctx, conn, cmd):
             if cloned else f"no offset of group {src} cloned to {dest}: it holds none on "
             + (f"topic {topic}" if topic else "any topic") + " here"
             + ("" if offline else " that an online member of it subscribes to"))
-    log.warning("[clone-group-offset] %s (by %s)", done, _peer(conn))
+    if cloned:      # (as a reset is: each said)
+        log.warning("[clone-group-offset] %s (by %s)", done, _peer(conn))
+    else:           # (a client looping over made-up groups is said once every few seconds)
+        ctx.limits.warn("clone-nothing", f"[clone-group-offset] {done} (by {_peer(conn)})")
     # (nothing cloned is SUCCESS as in 4.9.8: the admin API asks every broker of the source's retry topic, and a
     # broker without the topic holds nothing to clone; the remark, which a Java client does not read, says so)
     reply = cmd.response(ResponseCode.SUCCESS, None if cloned else done)

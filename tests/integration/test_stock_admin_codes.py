@@ -716,3 +716,22 @@ async def test_clone_group_offset_makes_the_destinations_offsets_the_sources_as_
             member.close()
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_a_clone_past_max_offsets_is_refused_saying_how_far_it_went(broker_factory):
+    """A clone making offsets past --max-offsets is SYSTEM_ERROR naming the limit and what was cloned, not SUCCESS
+    for a destination half made."""
+    broker = broker_factory("--max-offsets", "4")     # (the broker holds one of its own)
+    conn = await _connect(broker.broker)
+    try:
+        await _send_to_queue(conn, "CloneT", 0, 1)
+        await _commit(conn, "CG_src", "CloneT", 0, 1)
+        await _commit(conn, "CG_src", "CloneT", 1, 0)
+        reply = await conn.request(RemotingCommand.request(R.CLONE_GROUP_OFFSET, {
+            "srcGroup": "CG_src", "destGroup": "CG_dest", "topic": "CloneT", "offline": True}), 5)
+        assert reply.code == ResponseCode.SYSTEM_ERROR
+        assert "max_offsets=4" in reply.remark and "CloneT's in part" in reply.remark, reply.remark
+        assert _saved_offsets(broker).get("CloneT@CG_dest") == {"0": 1}, (reply.remark, _saved_offsets(broker))
+    finally:
+        conn.close()
