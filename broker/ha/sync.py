@@ -154,11 +154,11 @@ class SlaveSync:
             for (group, topic, qid), offset in part:
                 if group == PROGRESS_GROUP:
                     continue
-                if offset < 0:
+                if offset < 0:      # (not counted as listed: a group the master deleted may still list them)
                     self.offsets.forget(group, topic, qid)
-                else:
-                    self.offsets.commit(group, topic, qid, offset)
-                groups.add(group)       # (the master lists it: not one it removed, _forget_groups)
+                    continue
+                self.offsets.commit(group, topic, qid, offset)
+                groups.add(group)
         if not await self._forget_groups(addr, groups):
             return False
         if self.topics is not None and not await self._sync_topics(addr):

@@ -165,9 +165,12 @@ async def get_all_consumer_offset(ctx, conn, cmd):
     ``slave_sync_interval_ms`` (RocketMQ's SlaveSynchronize), so consumers that fail over to it go on from
     where they were, not from the start or the end. Encoded a slice at a time (OFFSET_SLICE offsets, then
     KEY_SLICE topic@group entries), the loop running between: in one go, 100,000 offsets held it 100-190 ms at
-    every slave's sync."""
+    every slave's sync. A queue whose offset was forgotten (a negative commit) is listed at -1, as a Java master
+    lists the -1 it keeps: a slave forgets its copy too (kept, a consumer failing over to it went on from the
+    offset the client had taken away)."""
     by_key: dict = {}
-    async for part in in_slices(ctx.offsets.items(), OFFSET_SLICE):
+    listed = ctx.offsets.items() + [(key, -1) for key in ctx.offsets.forgotten()]
+    async for part in in_slices(listed, OFFSET_SLICE):
         key_consumer_offsets(part, by_key)
     entries = []
     async for part in in_slices(sorted(by_key.items()), KEY_SLICE):

@@ -375,7 +375,7 @@ async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between
     """In one go, 100,000 offsets held the master's event loop 100-190 ms at every slave's sync (each 10 s)."""
     from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
     table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
-    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table)))
+    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table), forgotten=list))
     async with other_client() as turns:
         reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
     assert reply.body_bytes() == encode_consumer_offsets(table)

@@ -1065,3 +1065,20 @@ def test_offsets_lowered_at_start_are_summed_up_with_their_reason_not_said_one_a
     summary = [m for m in said if "600 consumer offsets" in m]
     assert len(summary) == 1 and "300 to 0" in summary[0] and "300 to a shorter queue" in summary[0]
     assert not any("the log was cut" in m for m in said if "GONE" in m)
+
+
+def test_a_forgotten_queue_is_listed_until_committed_again_and_the_list_is_bounded(tmp_path, monkeypatch):
+    """What GET_ALL_CONSUMER_OFFSET lists at -1 for slaves to forget their copies: a commit takes it off, and a
+    client forgetting queue after queue (made-up groups) keeps only the newest FORGOTTEN_KEPT."""
+    import broker.store.offsets as store_offsets
+
+    monkeypatch.setattr(store_offsets, "FORGOTTEN_KEPT", 2)
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.forget("A", "T", 0)                         # none there: nothing to list
+    assert offsets.forgotten() == []
+    for g in "ABC":
+        offsets.commit(g, "T", 0, 5)
+        offsets.forget(g, "T", 0)
+    assert offsets.forgotten() == [("B", "T", 0), ("C", "T", 0)]
+    offsets.commit("B", "T", 0, 1)
+    assert offsets.forgotten() == [("C", "T", 0)]
