@@ -735,3 +735,24 @@ async def test_a_clone_past_max_offsets_is_refused_saying_how_far_it_went(broker
         assert _saved_offsets(broker).get("CloneT@CG_dest") == {"0": 1}, (reply.remark, _saved_offsets(broker))
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_a_clone_of_many_offsets_is_said_in_a_line_of_bounded_length(broker):
+    """Each clone was said at WARNING with every offset it cloned in the line ("CloneT {0: 3, 1: 3, ...}"): 512
+    queues made a line of some 6,000 characters, 100,000 offsets one of some megabytes, at every clone a client
+    asks. The line says how many offsets on how many topics, naming a few."""
+    conn = await _connect(broker.broker)
+    try:
+        assert (await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "WideT", "defaultTopic": "TBW102", "readQueueNums": 512, "writeQueueNums": 512, "perm": 6,
+            "topicFilterType": "SINGLE_TAG", "topicSysFlag": 0, "order": "false"}), 10)).code == ResponseCode.SUCCESS
+        await asyncio.gather(*(_commit(conn, "CG_wide", "WideT", q, q + 1000) for q in range(512)))
+        reply = await conn.request(RemotingCommand.request(R.CLONE_GROUP_OFFSET, {
+            "srcGroup": "CG_wide", "destGroup": "CG_wide_copy", "topic": "WideT", "offline": True}), 10)
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        assert _saved_offsets(broker)["WideT@CG_wide_copy"] == {str(q): q + 1000 for q in range(512)}
+    finally:
+        conn.close()
+    said = [line for line in broker.log_path.read_text().splitlines() if "[clone-group-offset]" in line]
+    assert len(said) == 1 and "512 offsets" in said[0] and len(said[0]) < 1000, (len(said[0]), said[0][:300])
