@@ -470,14 +470,14 @@ async def clone_group_offset(ctx, conn, cmd):
             if not ctx.offsets.has(dest, t, qid):
                 full = ctx.limits.offsets_full(ctx.offsets, dest, t, qid)
                 if full is not None:
-                    done = (f"offsets of group {src} cloned to {dest} on {', '.join(cloned) or 'no topic'} before "
-                            f"it, and {t}'s in part")
+                    done = (f"offsets of group {src} cloned to {dest} on {_topics_said(cloned) or 'no topic'} "
+                            f"before it, and {t}'s in part")
                     return await offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SYSTEM_ERROR,
                                                                             f"{full} ({done})"))
             ctx.offsets.commit(dest, t, qid, offset, peer_host(conn))
         cloned[t] = offsets
-    done = (f"offsets of group {src} cloned to {dest}: " + "; ".join(f"{t} {o}" for t, o in cloned.items())
-            if cloned else f"no offset of group {src} cloned to {dest}: it holds none on "
+    done = (f"offsets of group {src} cloned to {dest}: {sum(map(len, cloned.values()))} offsets on "
+            f"{_topics_said(cloned)}" if cloned else f"no offset of group {src} cloned to {dest}: it holds none on "
             + (f"topic {topic}" if topic else "any topic") + " here"
             + ("" if offline else " that an online member of it subscribes to"))
     if cloned:      # (as a reset is: each said)
@@ -488,6 +488,17 @@ async def clone_group_offset(ctx, conn, cmd):
     # broker without the topic holds nothing to clone; the remark, which a Java client does not read, says so)
     reply = cmd.response(ResponseCode.SUCCESS, None if cloned else done)
     return await offsets_saved(ctx, cmd, done, reply, paced=True, max_rest=ADMIN_REST_MAX_S)
+
+
+CLONED_TOPICS_SAID = 5
+
+
+def _topics_said(cloned: dict[str, dict[int, int]]) -> str:
+    """The topics a clone went through, a few named with their offset counts: the line listed every offset (100,000
+    offsets, megabytes a clone) and every topic."""
+    named = ", ".join(f"{t} ({len(o)} queues)" for t, o in list(cloned.items())[:CLONED_TOPICS_SAID])
+    rest = len(cloned) - CLONED_TOPICS_SAID
+    return named + (f" and {rest} more topic(s)" if rest > 0 else "")
 
 
 def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:
