@@ -146,12 +146,19 @@ class SlaveSync:
         # floor, past halves whose decisions had not reached it yet, never checking them.
         # Taken off the table as they are committed, not listed first: a list of 100,000 items made in one step
         # (and freed in one as this returns).
+        # A negative one is an offset the master was told to forget (UPDATE_CONSUMER_OFFSET -1, kept by a Java master
+        # and read back as none, as a Java slave reads its copy; a txmq master lists the queues it forgot so): this
+        # slave's copy goes too. Kept, a consumer failing over here went on from where the client had taken it away.
         groups = set()
         async for part in in_slices((table.popitem() for _ in range(len(table))), OFFSET_SLICE):
             for (group, topic, qid), offset in part:
-                if offset >= 0 and group != PROGRESS_GROUP:
-                    self.offsets.commit(group, topic, qid, offset)
-                    groups.add(group)
+                if group == PROGRESS_GROUP:
+                    continue
+                if offset < 0:      # (not counted as listed: a group the master deleted may still list them)
+                    self.offsets.forget(group, topic, qid)
+                    continue
+                self.offsets.commit(group, topic, qid, offset)
+                groups.add(group)
         if not await self._forget_groups(addr, groups):
             return False
         if self.topics is not None and not await self._sync_topics(addr):

@@ -45,6 +45,7 @@ def broker_table() -> dict:
         R.QUERY_MESSAGE: query.query_message,
         R.QUERY_CONSUME_QUEUE: query_cq.query_consume_queue,
         R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
+        R.CLONE_GROUP_OFFSET: ops.clone_group_offset,
         R.GET_CONSUME_STATS: ops.get_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
         R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,

@@ -60,40 +60,49 @@ def update_consumer_offset(ctx, conn, cmd):
         # it, and one moved past undecided halves was never seen again (never checked, never decided).
         return cmd.response(ResponseCode.NO_PERMISSION, f"consumer group {group} is the broker's own (its "
                             "transaction progress): offset not stored")
-    if offset >= 0:
+    if offset < 0:
+        # RocketMQ 4.9.8 keeps a negative offset and reads it back as none (QUERY_CONSUMER_OFFSET answers as for a
+        # group that never committed): the queue's offset is forgotten. It was answered SUCCESS and the old one
+        # kept, the group going on from where the client had just taken it away.
+        offset = None
+    else:
         refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
-        moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
+    moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
+    if offset is None:
+        ctx.offsets.forget(group, topic, qid)
+    else:
         ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
-        if moved_from is not None:
-            # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
-            # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
-            # from memory, a kill -9 before the next periodic save put the group back where it was, its replay
-            # lost or its skip redelivered. On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. A
-            # consumer's own commits stay cheap: a Java consumer's (persistAll) are oneway, told nothing, and so
-            # are never waited for even on a connection it has not heartbeated on yet (a restarted broker).
-            done = (f"offset of group {group} on {topic} queue {qid} "
-                    + (f"set to {offset} (none before)" if moved_from < 0 else
-                       f"moved {'back' if offset < moved_from else 'forward'} from {moved_from} to {offset}"))
-            if _moves_said.due(f"{group}\0{topic}"):
-                # A tool reaches a slave only while its master is gone; the slave's next copy from the master
-                # takes the master's offset for the queue (putAll), undoing the move once the master is back.
-                slave = ("; on a slave: its master's offset for the queue replaces it at the next copy from the "
-                         "master (move it on the master)" if ctx.config.broker_role == "SLAVE" else "")
-                log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
-                            "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply%s (more of this "
-                            "group and topic in the next minute are not said)", done, peer_host(conn), slave)
-            elif _moves_said.full():
-                # made-up groups (they cost nothing) were a line each: 296 moves, 296 lines
-                ctx.limits.warn("offset-move-said", f"offsets of more than {MOVES_SAID_A_MINUTE} groups and topics "
-                                f"moved this minute by clients that are no consumer of the group (latest: {done} by "
-                                f"{peer_host(conn)}): not said one by one")
-            return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS), paced=True)
+    if moved_from is not None:
+        # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
+        # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
+        # from memory, a kill -9 before the next periodic save put the group back where it was, its replay
+        # lost or its skip redelivered. On disk before SUCCESS, as INVOKE_BROKER_TO_RESET_OFFSET is. A
+        # consumer's own commits stay cheap: a Java consumer's (persistAll) are oneway, told nothing, and so
+        # are never waited for even on a connection it has not heartbeated on yet (a restarted broker).
+        done = (f"offset of group {group} on {topic} queue {qid} "
+                + (f"{moved_from} forgotten (a negative offset was committed)" if offset is None else
+                   f"set to {offset} (none before)" if moved_from < 0 else
+                   f"moved {'back' if offset < moved_from else 'forward'} from {moved_from} to {offset}"))
+        if _moves_said.due(f"{group}\0{topic}"):
+            # A tool reaches a slave only while its master is gone; the slave's next copy from the master
+            # takes the master's offset for the queue (putAll), undoing the move once the master is back.
+            slave = ("; on a slave: its master's offset for the queue replaces it at the next copy from the "
+                     "master (move it on the master)" if ctx.config.broker_role == "SLAVE" else "")
+            log.warning("%s by %s, no consumer of the group (an admin tool: resetOffsetByTimeOld, "
+                        "skipAccumulatedMessage, cloneGroupOffset?); saved before the reply%s (more of this "
+                        "group and topic in the next minute are not said)", done, peer_host(conn), slave)
+        elif _moves_said.full():
+            # made-up groups (they cost nothing) were a line each: 296 moves, 296 lines
+            ctx.limits.warn("offset-move-said", f"offsets of more than {MOVES_SAID_A_MINUTE} groups and topics "
+                            f"moved this minute by clients that are no consumer of the group (latest: {done} by "
+                            f"{peer_host(conn)}): not said one by one")
+        return offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SUCCESS), paced=True)
     return cmd.response(ResponseCode.SUCCESS)
 
 
-def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) -> int | None:
+def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int | None) -> int | None:
     """The offset a commit moves from (-1: none was stored) when the committer is no consumer of the group (an
     admin tool: no heartbeat for it and no pull for it on that connection), else None: a consumer's own commits,
     and a commit that moves nothing, go on disk with the periodic save (one lost to a kill -9 costs
@@ -156,9 +165,12 @@ async def get_all_consumer_offset(ctx, conn, cmd):
     ``slave_sync_interval_ms`` (RocketMQ's SlaveSynchronize), so consumers that fail over to it go on from
     where they were, not from the start or the end. Encoded a slice at a time (OFFSET_SLICE offsets, then
     KEY_SLICE topic@group entries), the loop running between: in one go, 100,000 offsets held it 100-190 ms at
-    every slave's sync."""
+    every slave's sync. A queue whose offset was forgotten (a negative commit) is listed at -1, as a Java master
+    lists the -1 it keeps: a slave forgets its copy too (kept, a consumer failing over to it went on from the
+    offset the client had taken away)."""
     by_key: dict = {}
-    async for part in in_slices(ctx.offsets.items(), OFFSET_SLICE):
+    listed = ctx.offsets.items() + [(key, -1) for key in ctx.offsets.forgotten()]
+    async for part in in_slices(listed, OFFSET_SLICE):
         key_consumer_offsets(part, by_key)
     entries = []
     async for part in in_slices(sorted(by_key.items()), KEY_SLICE):

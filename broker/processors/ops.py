@@ -3,8 +3,8 @@
 GET_CONSUME_STATS (208), GET_CONSUMER_CONNECTION_LIST (203), GET_PRODUCER_CONNECTION_LIST (204),
 GET_TOPIC_STATS_INFO (202), GET_BROKER_RUNTIME_INFO (28), QUERY_TOPIC_CONSUME_BY_WHO (300),
 GET_ALL_SUBSCRIPTIONGROUP_CONFIG (201), UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200), DELETE_SUBSCRIPTIONGROUP (207),
-DELETE_TOPIC_IN_BROKER (215) and INVOKE_BROKER_TO_RESET_OFFSET (222), which tells live consumers with
-RESET_CONSUMER_CLIENT_OFFSET (220).
+DELETE_TOPIC_IN_BROKER (215), INVOKE_BROKER_TO_RESET_OFFSET (222), which tells live consumers with
+RESET_CONSUMER_CLIENT_OFFSET (220), and CLONE_GROUP_OFFSET (314).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from protocol.admin_bodies import (consume_stats_head, consume_stats_members, du
                                    encode_topic_stats)
 from protocol.codes import LanguageCode, RequestCode, ResponseCode
 from protocol.command import RemotingCommand
-from protocol.message import validate_topic
+from protocol.message import validate_group, validate_topic
 from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
@@ -439,6 +439,72 @@ async def reset_offset(ctx, conn, cmd):
     return await offsets_saved(ctx, cmd, f"[reset-offset] group {group} topic {topic} reset",
                                 cmd.response(ResponseCode.SUCCESS, body=encode_reset_offset(table)),
                                 paced=True, max_rest=ADMIN_REST_MAX_S)
+
+
+async def clone_group_offset(ctx, conn, cmd):
+    """Make one group's offsets on a topic another's (DefaultMQAdminExt.cloneGroupOffset; 4.9.8's
+    AdminBrokerProcessor.cloneGroupOffset): the destination's offsets there become the source's, queue for queue
+    (ConsumerOffsetManager.cloneOffset replaces the destination's whole map). Without ``offline``, a topic none of
+    the source's online members subscribes to is left out, as 4.9.8 leaves it. With no topic, every topic the
+    source holds offsets on, which 4.9.8 means and misses (it clones the topic named "null": nothing, SUCCESS).
+    It was REQUEST_CODE_NOT_SUPPORTED. Live consumers of the destination are not told (nor by 4.9.8): their next
+    commit wins. On disk before SUCCESS, as an admin's offset move."""
+    src = cmd.str_field("srcGroup", required=True)
+    dest = cmd.str_field("destGroup", required=True)
+    topic = (cmd.str_field("topic") or "").strip()
+    offline = cmd.bool_field("offline", False)
+    why = validate_group(dest, "destGroup")     # kept in the table, its file and every slave's copy
+    if why is not None:
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"{why}, no offset cloned")
+    if dest == PROGRESS_GROUP:      # the broker's own, as UPDATE_CONSUMER_OFFSET refuses it
+        return cmd.response(ResponseCode.NO_PERMISSION, f"consumer group {dest} is the broker's own (its "
+                            "transaction progress): no offset cloned")
+    cloned: dict[str, dict[int, int]] = {}
+    unyielded = 0
+    for t in [topic] if topic else ctx.offsets.topics_of(src):
+        if unyielded >= CLONE_SLICE:    # every topic of a group of 100,000 offsets in one go: the loop held ~2 s
+            await asyncio.sleep(0)
+            unyielded = 0
+        offsets = ctx.offsets.of(src, t)
+        if ctx.topics.get(t) is None or not offsets or (not offline and ctx.clients.reads_elsewhere(src, t)):
+            continue
+        for qid in ctx.offsets.of(dest, t).keys() - offsets.keys():
+            ctx.offsets.forget(dest, t, qid)
+        for qid, offset in sorted(offsets.items()):
+            if not ctx.offsets.has(dest, t, qid):
+                full = ctx.limits.offsets_full(ctx.offsets, dest, t, qid)
+                if full is not None:
+                    done = (f"offsets of group {src} cloned to {dest} on {_topics_said(cloned) or 'no topic'} "
+                            f"before it, and {t}'s in part")
+                    return await offsets_saved(ctx, cmd, done, cmd.response(ResponseCode.SYSTEM_ERROR,
+                                                                            f"{full} ({done})"))
+            ctx.offsets.commit(dest, t, qid, offset, peer_host(conn))
+        cloned[t] = offsets
+        unyielded += len(offsets)
+    done = (f"offsets of group {src} cloned to {dest}: {sum(map(len, cloned.values()))} offsets on "
+            f"{_topics_said(cloned)}" if cloned else f"no offset of group {src} cloned to {dest}: it holds none on "
+            + (f"topic {topic}" if topic else "any topic") + " here"
+            + ("" if offline else " that an online member of it subscribes to"))
+    if cloned:      # (as a reset is: each said)
+        log.warning("[clone-group-offset] %s (by %s)", done, _peer(conn))
+    else:           # (a client looping over made-up groups is said once every few seconds)
+        ctx.limits.warn("clone-nothing", f"[clone-group-offset] {done} (by {_peer(conn)})")
+    # (nothing cloned is SUCCESS as in 4.9.8: the admin API asks every broker of the source's retry topic, and a
+    # broker without the topic holds nothing to clone; the remark, which a Java client does not read, says so)
+    reply = cmd.response(ResponseCode.SUCCESS, None if cloned else done)
+    return await offsets_saved(ctx, cmd, done, reply, paced=True, max_rest=ADMIN_REST_MAX_S)
+
+
+CLONED_TOPICS_SAID = 5
+CLONE_SLICE = 4096      # offsets a clone makes between two turns of the loop (and one topic's queues)
+
+
+def _topics_said(cloned: dict[str, dict[int, int]]) -> str:
+    """The topics a clone went through, a few named with their offset counts: the line listed every offset (100,000
+    offsets, megabytes a clone) and every topic."""
+    named = ", ".join(f"{t} ({len(o)} queues)" for t, o in list(cloned.items())[:CLONED_TOPICS_SAID])
+    rest = len(cloned) - CLONED_TOPICS_SAID
+    return named + (f" and {rest} more topic(s)" if rest > 0 else "")
 
 
 def _notify_reset(ctx, group: str, topic: str, timestamp: int, force: bool, table: dict, for_c: bool) -> int:

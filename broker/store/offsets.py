@@ -65,6 +65,11 @@ CLOSE_WAIT_S = 120.0
 HUNG_CLOSE_WAIT_S = 2.0
 
 
+# Queues whose offset was forgotten (``forget``) listed to slaves at -1 (``forgotten``), as a Java master lists the
+# -1 it keeps, so each slave forgets its copy too: the newest this many, each until it is committed again. Not saved:
+# one forgotten less than a slave's sync interval (10 s) before the master stops is not copied.
+FORGOTTEN_KEPT = 10_000
+
 FIT_SAID = 10       # offsets lowered at a start said one a line; the rest are summed up in one
 
 
@@ -96,6 +101,7 @@ class ConsumerOffsets:
         # topic -> the groups holding an offset on it, changed only as a (group, topic) pair comes or goes in
         # _topics: QUERY_TOPIC_CONSUME_BY_WHO walked every offset, and topicList -c and statsAll ask every topic.
         self._groups: dict[str, set[str]] = {}
+        self._forgotten: dict[tuple[str, str, int], None] = {}     # oldest first: FORGOTTEN_KEPT
         self._dirty = False
         # What the last background save took (the table, the makers), and the keys changed since: the next one
         # brings that copy up to date with just those keys (_snapshot). None: the next takes a whole copy.
@@ -159,6 +165,7 @@ class ConsumerOffsets:
         if was != offset:
             if was is None:         # a new offset (none is None)
                 self._index(key)
+                self._forgotten.pop(key, None)
                 if client is not None and self.per_host:
                     self._maker[key] = client
                     self._made_by[client] = self._made_by.get(client, 0) + 1
@@ -166,6 +173,24 @@ class ConsumerOffsets:
             self._changed.add(key)
             self._dirty = True
             self._changes += 1
+
+    def of(self, group: str, topic: str) -> dict[int, int]:
+        """``group``'s offsets on ``topic`` by queue id (O(its queues))."""
+        return {q: self._table[(group, topic, q)] for q in self._topics.get(group, {}).get(topic, ())}
+
+    def forget(self, group: str, topic: str, queue_id: int) -> None:
+        """No offset for the queue any more (a negative commit: RocketMQ keeps it, read back as none)."""
+        key = (group, topic, queue_id)
+        if key in self._table:
+            self._remove([key])
+            self._forgotten[key] = None
+            if len(self._forgotten) > FORGOTTEN_KEPT:
+                del self._forgotten[next(iter(self._forgotten))]
+
+    def forgotten(self) -> list[tuple[str, str, int]]:
+        """The queues ``forget`` took the offset of (the newest FORGOTTEN_KEPT), not committed since: listed to
+        slaves at -1 (GET_ALL_CONSUMER_OFFSET), as a Java master lists the -1 it keeps."""
+        return list(self._forgotten)
 
     def has(self, group: str, topic: str, queue_id: int) -> bool:
         return (group, topic, queue_id) in self._table

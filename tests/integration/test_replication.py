@@ -351,6 +351,40 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
             p.kill()
 
 
+async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave_too(tmp_path):
+    """UPDATE_CONSUMER_OFFSET -1 forgets a queue's offset on the master (as 4.9.8 reads the -1 it keeps); the slave's
+    copy (putAll) kept the old one (17) while the group held other offsets, so a consumer failing over to the slave
+    (or to it promoted) went on from 17 where the master answered 0 (a young queue: from its start), skipping what
+    the client had asked to read again. The master lists the queue at -1, as a Java master does, and the slave
+    forgets its copy."""
+    started = []
+    pool = ConnectionPool()
+
+    async def commit(qid: int, offset: int) -> None:
+        reply = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+            "consumerGroup": "CG_forgot", "topic": TOPIC, "queueId": qid, "commitOffset": offset}), 3.0)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-fq", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_forgot") as producer:
+                mq = await _until_replicating(producer)
+                for i in range(30):
+                    await producer.send(TOPIC, f"f{i}".encode(), queue=mq)
+            other = MessageQueue(mq.topic, mq.broker_name, 1 if mq.queue_id == 0 else 0)
+            await commit(other.queue_id, 5)
+            await commit(mq.queue_id, 17)
+            await _until_slave_has_offset(slave, "CG_forgot", mq, 17)
+            await commit(mq.queue_id, -1)
+            await _until_slave_has_offset(slave, "CG_forgot", mq, 0)      # as the master answers now
+            await _until_slave_has_offset(slave, "CG_forgot", other, 5)
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
 async def test_a_group_deleted_on_the_master_while_its_slave_is_down_goes_from_the_slave_after_its_restart(tmp_path):
     """The groups the master's answers named were known in the slave's memory only: a group deleted with its
     offsets on the master while the slave was down (or restarted while the slave timed its absence) was, to the

@@ -620,3 +620,139 @@ async def test_consume_time_span_of_an_empty_queue_is_no_times_and_not_behind(br
     assert sorted(s["messageQueue"]["queueId"] for s in spans) == [0, 1]
     for s in spans:
         assert (s["minTimeStamp"], s["maxTimeStamp"], s["consumeTimeStamp"], s["delayTime"]) == (-1, -1, -1, 0), s
+
+
+def _saved_offsets(broker) -> dict:
+    """config/consumerOffset.json's offsetTable (the key is left out with no offset)."""
+    return json.loads((broker.store_dir / "config" / "consumerOffset.json").read_text()).get("offsetTable", {})
+
+
+async def _send_to_queue(conn, topic: str, qid: int, n: int) -> None:
+    for i in range(n):
+        reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
+            "a": "PG_offsets", "b": topic, "c": "TBW102", "d": 4, "e": qid, "f": 0, "g": 0, "h": 0,
+            "i": "", "j": 0}, f"m{i}".encode()), 5)
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+
+async def _commit(conn, group: str, topic: str, qid: int, offset: int) -> None:
+    reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": topic, "queueId": qid, "commitOffset": offset}), 5)
+    assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+
+
+@bounded(30)
+async def test_a_negative_committed_offset_forgets_the_queues_offset_as_4_9_8_reads_it(broker):
+    """UPDATE_CONSUMER_OFFSET with commitOffset -1 was answered SUCCESS and stored nothing: the group went on from
+    the offset the client had just taken away (3, read back after the SUCCESS). RocketMQ 4.9.8 keeps the -1
+    (ConsumerOffsetManager.commitOffset) and reads it back as no offset: QUERY_CONSUMER_OFFSET answers as for a
+    group that never committed (0 while the queue's first message is in memory). The forgetting of a client that
+    is no consumer of the group (an admin tool) is on disk before SUCCESS, as its moves are."""
+    conn = await _connect(broker.broker)
+    try:
+        await _send_to_queue(conn, "NegT", 0, 4)
+
+        async def stored() -> int:
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_neg", "topic": "NegT", "queueId": 0}), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+            return int(reply.ext_fields["offset"])
+
+        await _commit(conn, "CG_neg", "NegT", 0, 3)
+        assert await stored() == 3
+        assert _saved_offsets(broker).get("NegT@CG_neg") == {"0": 3}
+        await _commit(conn, "CG_neg", "NegT", 0, -1)
+        assert await stored() == 0          # as a group that never committed: the queue read from its start
+        assert "NegT@CG_neg" not in _saved_offsets(broker)     # on disk at SUCCESS
+        await _commit(conn, "CG_neg", "NegT", 0, -1)            # nothing to forget: nothing changes
+        await _commit(conn, "CG_neg", "NegT", 0, 2)
+        assert await stored() == 2
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_clone_group_offset_makes_the_destinations_offsets_the_sources_as_4_9_8(broker):
+    """CLONE_GROUP_OFFSET (314, DefaultMQAdminExt.cloneGroupOffset) was REQUEST_CODE_NOT_SUPPORTED. Answered as
+    4.9.8's AdminBrokerProcessor: the destination's offsets on the topic become the source's (its queue the source
+    has none on dropped), on disk before SUCCESS; a topic none of the source's online members subscribes to is
+    left out unless offline; no topic: every topic the source holds offsets on (4.9.8 clones the topic "null")."""
+    conn = await _connect(broker.broker)
+
+    async def clone(src: str, dest: str, topic: str | None, offline: bool = False) -> RemotingCommand:
+        fields = {"srcGroup": src, "destGroup": dest, "offline": offline, **({"topic": topic} if topic else {})}
+        return await conn.request(RemotingCommand.request(R.CLONE_GROUP_OFFSET, fields), 5)
+
+    try:
+        for topic in ("CloneT", "Clone2T"):
+            await _send_to_queue(conn, topic, 0, 4)
+            await _commit(conn, "CG_src", topic, 0, 3)
+            await _commit(conn, "CG_src", topic, 1, 0)
+        await _commit(conn, "CG_dest", "CloneT", 0, 1)
+        await _commit(conn, "CG_dest", "CloneT", 2, 0)
+        reply = await clone("CG_src", "CG_dest", "CloneT")
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        saved = _saved_offsets(broker)
+        assert saved["CloneT@CG_dest"] == {"0": 3, "1": 0}         # queue 2 dropped, as cloneOffset's put
+        assert "Clone2T@CG_dest" not in saved
+        reply = await clone("CG_src", "CG_all", None)
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        saved = _saved_offsets(broker)
+        assert saved["CloneT@CG_all"] == saved["Clone2T@CG_all"] == {"0": 3, "1": 0}
+        nothing = await clone("CG_nobody", "CG_none", "CloneT")     # SUCCESS as 4.9.8, said in the remark
+        assert nothing.code == ResponseCode.SUCCESS and "holds none on topic CloneT" in nothing.remark
+        assert not any(k.endswith("@CG_none") for k in _saved_offsets(broker))
+        member = await _connect(broker.broker)          # CG_src online, subscribed to Orders only
+        try:
+            beat = await member.request(_consumer_heartbeat("10.0.0.9@9", "CG_src"), 5)
+            assert beat.code == ResponseCode.SUCCESS
+            online = await clone("CG_src", "CG_online", "CloneT")
+            assert online.code == ResponseCode.SUCCESS and "subscribes to" in online.remark
+            assert "CloneT@CG_online" not in _saved_offsets(broker)
+            reply = await clone("CG_src", "CG_online", "CloneT", offline=True)
+            assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+            assert _saved_offsets(broker)["CloneT@CG_online"] == {"0": 3, "1": 0}
+        finally:
+            member.close()
+    finally:
+        conn.close()
+
+
+@bounded(30)
+async def test_a_clone_past_max_offsets_is_refused_saying_how_far_it_went(broker_factory):
+    """A clone making offsets past --max-offsets is SYSTEM_ERROR naming the limit and what was cloned, not SUCCESS
+    for a destination half made."""
+    broker = broker_factory("--max-offsets", "4")     # (the broker holds one of its own)
+    conn = await _connect(broker.broker)
+    try:
+        await _send_to_queue(conn, "CloneT", 0, 1)
+        await _commit(conn, "CG_src", "CloneT", 0, 1)
+        await _commit(conn, "CG_src", "CloneT", 1, 0)
+        reply = await conn.request(RemotingCommand.request(R.CLONE_GROUP_OFFSET, {
+            "srcGroup": "CG_src", "destGroup": "CG_dest", "topic": "CloneT", "offline": True}), 5)
+        assert reply.code == ResponseCode.SYSTEM_ERROR
+        assert "max_offsets=4" in reply.remark and "CloneT's in part" in reply.remark, reply.remark
+        assert _saved_offsets(broker).get("CloneT@CG_dest") == {"0": 1}, (reply.remark, _saved_offsets(broker))
+    finally:
+        conn.close()
+
+
+@bounded(60)
+async def test_a_clone_of_many_offsets_is_said_in_a_line_of_bounded_length(broker):
+    """Each clone was said at WARNING with every offset it cloned in the line ("CloneT {0: 3, 1: 3, ...}"): 512
+    queues made a line of some 6,000 characters, 100,000 offsets one of some megabytes, at every clone a client
+    asks. The line says how many offsets on how many topics, naming a few."""
+    conn = await _connect(broker.broker)
+    try:
+        assert (await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "WideT", "defaultTopic": "TBW102", "readQueueNums": 512, "writeQueueNums": 512, "perm": 6,
+            "topicFilterType": "SINGLE_TAG", "topicSysFlag": 0, "order": "false"}), 10)).code == ResponseCode.SUCCESS
+        await asyncio.gather(*(_commit(conn, "CG_wide", "WideT", q, q + 1000) for q in range(512)))
+        reply = await conn.request(RemotingCommand.request(R.CLONE_GROUP_OFFSET, {
+            "srcGroup": "CG_wide", "destGroup": "CG_wide_copy", "topic": "WideT", "offline": True}), 10)
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        assert _saved_offsets(broker)["WideT@CG_wide_copy"] == {str(q): q + 1000 for q in range(512)}
+    finally:
+        conn.close()
+    said = [line for line in broker.log_path.read_text().splitlines() if "[clone-group-offset]" in line]
+    assert len(said) == 1 and "512 offsets" in said[0] and len(said[0]) < 1000, (len(said[0]), said[0][:300])

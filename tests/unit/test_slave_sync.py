@@ -375,7 +375,7 @@ async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between
     """In one go, 100,000 offsets held the master's event loop 100-190 ms at every slave's sync (each 10 s)."""
     from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
     table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
-    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table)))
+    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table), forgotten=list))
     async with other_client() as turns:
         reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
     assert reply.body_bytes() == encode_consumer_offsets(table)
@@ -1036,3 +1036,27 @@ async def test_a_hung_copy_of_a_java_masters_delay_progress_is_gauged_until_it_e
     finally:
         release.set()
         await sync.close()
+
+
+@bounded(10)
+async def test_a_negative_offset_on_the_master_forgets_the_slaves_copy_as_a_java_slave_reads_it(tmp_path):
+    """A queue's offset the master was told to forget (UPDATE_CONSUMER_OFFSET -1: a Java master keeps the -1, a Java
+    slave copies it and reads it back as none) stayed here at its old value: a consumer failing over to this slave
+    (or it promoted) went on from where the client had just taken the group away, skipping what it meant to read
+    again."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "Orders", 0, 5)            # copied from the master before it was told -1
+    offsets.commit("CG", "Orders", 1, 4)
+    sync = SlaveSync(offsets, 10.0)
+
+    async def request(addr, cmd, timeout):
+        return cmd.response(ResponseCode.SUCCESS, body=b'{"offsetTable":{"Orders@CG":{0:-1,1:7}}}')
+    sync.pool.request = request
+    sync.master_addr = "127.0.0.1:10911"
+    try:
+        assert await sync.sync_once()
+    finally:
+        await sync.close()
+    assert offsets.get("CG", "Orders", 0) is None and offsets.get("CG", "Orders", 1) == 7
+    offsets.persist()
+    assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]

@@ -201,6 +201,19 @@ def test_the_offsets_a_client_made_are_counted_until_they_go(tmp_path):
     assert offsets.made_by("10.0.0.1") == 1 and offsets.has("B", "T", 0) and not offsets.has("A", "T", 0)
 
 
+def test_a_forgotten_queue_leaves_its_groups_other_queues_and_gives_its_makers_room_back(tmp_path):
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("A", "T", 0, 5, "10.0.0.1")
+    offsets.commit("A", "T", 1, 6, "10.0.0.1")
+    offsets.commit("A", "U", 0, 7, "10.0.0.1")
+    offsets.forget("A", "T", 0)
+    offsets.forget("A", "T", 9)                          # none there: nothing changes
+    assert offsets.of("A", "T") == {1: 6} and offsets.made_by("10.0.0.1") == 2
+    offsets.forget("A", "T", 1)
+    assert offsets.of("A", "T") == {} and offsets.topics_of("A") == ["U"] and not offsets.holds("A", "T")
+    assert offsets.groups_of("T") == set() and offsets.made_by("10.0.0.1") == 1
+
+
 def test_who_made_each_offset_is_saved_and_counted_again(tmp_path):
     offsets = ConsumerOffsets(str(tmp_path))
     offsets.commit("g", "T", 0, 5, "10.0.0.1")
@@ -1052,3 +1065,20 @@ def test_offsets_lowered_at_start_are_summed_up_with_their_reason_not_said_one_a
     summary = [m for m in said if "600 consumer offsets" in m]
     assert len(summary) == 1 and "300 to 0" in summary[0] and "300 to a shorter queue" in summary[0]
     assert not any("the log was cut" in m for m in said if "GONE" in m)
+
+
+def test_a_forgotten_queue_is_listed_until_committed_again_and_the_list_is_bounded(tmp_path, monkeypatch):
+    """What GET_ALL_CONSUMER_OFFSET lists at -1 for slaves to forget their copies: a commit takes it off, and a
+    client forgetting queue after queue (made-up groups) keeps only the newest FORGOTTEN_KEPT."""
+    import broker.store.offsets as store_offsets
+
+    monkeypatch.setattr(store_offsets, "FORGOTTEN_KEPT", 2)
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.forget("A", "T", 0)                         # none there: nothing to list
+    assert offsets.forgotten() == []
+    for g in "ABC":
+        offsets.commit(g, "T", 0, 5)
+        offsets.forget(g, "T", 0)
+    assert offsets.forgotten() == [("B", "T", 0), ("C", "T", 0)]
+    offsets.commit("B", "T", 0, 1)
+    assert offsets.forgotten() == [("C", "T", 0)]
