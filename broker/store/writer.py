@@ -77,6 +77,7 @@ class Writer:
         self._space_failing = False
         self._taken: list | None = None     # the (request, future) entries _write is copying
         self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
+        self.slowest_flush_s = 0.0      # the longest a flush has taken and returned: how slow this disk can be, not hung
         # A second flush starts only once the one in flight has run this long (seconds): the disk is slow
         # right now and the next batch should not wait a whole cycle for it. Sooner, waiting is cheaper:
         # a second flush splits the group commit in two, and each costs hand-offs to a thread and back.
@@ -433,8 +434,11 @@ class Writer:
     def _flush_done(self, exc: BaseException | None) -> None:
         # Left in _flushing until completed: if completing raises (a bug), the writer's clean-up answers it.
         fut, end, end_ts, waiting, units, infos, started, _io = self._flushing[0]
+        took = time.perf_counter() - started
+        if took > self.slowest_flush_s:
+            self.slowest_flush_s = took
         if self.on_flush is not None:
-            self.on_flush(time.perf_counter() - started)
+            self.on_flush(took)
         if exc is not None:
             # Nothing of this flush, nor of what was written after it, is acknowledged or made
             # readable, and nothing is flushed again: the state on disk is unknown.

@@ -29,6 +29,14 @@ def hung_flush_env(fifo, repo=None) -> dict:
     return {"PYTHONPATH": os.pathsep.join((hook, str(repo or REPO))), "TXMQ_TEST_HUNG_FLUSH_FIFO": str(fifo)}
 
 
+def slow_flush_env(flag, seconds: float) -> dict:
+    """The ``env`` of a BrokerProcess whose commit-log flushes each take ``seconds`` more, and then complete (a slow
+    disk, not a hung one), while the file ``flag`` exists: hung_flush_hook/sitecustomize.py."""
+    env = hung_flush_env("")
+    del env["TXMQ_TEST_HUNG_FLUSH_FIFO"]
+    return {**env, "TXMQ_TEST_SLOW_FLUSH": f"{flag}:{seconds:g}"}
+
+
 def unblock(fifo) -> None:
     """A reader lets a writer still blocked in open() go on."""
     with contextlib.suppress(OSError):

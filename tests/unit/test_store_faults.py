@@ -437,3 +437,27 @@ def test_a_hung_flush_is_said_once_and_its_end_once(tmp_path, caplog):
     server._flush_age()
     server._flush_age()
     assert caplog.text.count("commit-log flushes return again") == 1
+
+
+@pytest.mark.parametrize("slowest, said", [
+    (0.0, "has not returned in 11 s (a hung disk"),    # no flush ever that slow: hung
+    (6.0, "the store's disk is slow, not hung (its flushes return, the slowest in 6.0 s)")])
+@bounded()
+async def test_a_stop_waits_for_a_flush_as_slow_as_the_disk_has_been_within_its_budget(tmp_path, caplog, monkeypatch,
+                                                                                     slowest, said):
+    """A flush in flight 11 s: hung on a disk whose flushes have all returned quicker than FLUSH_HUNG_S, given up at
+    once; on one whose flushes have taken 6 s, slow (twice that is its bound), waited for until the stop's budget
+    (STOP_BEHIND_THE_LOG_S, 0.5 s here) is spent, then given up saying so, not that the disk hung."""
+    import types
+
+    from broker import server as server_mod
+    from broker.config import BrokerConfig
+    monkeypatch.setattr(server_mod, "STOP_BEHIND_THE_LOG_S", 0.5)
+    server = server_mod.BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(
+        flush_age_s=lambda: server_mod.FLUSH_HUNG_S + 1, io_stalled_s=lambda: 0.0, slowest_flush_s=lambda: slowest))
+    never = asyncio.Event()
+    await server._stop_behind_the_log("store", never.wait)
+    assert caplog.text.count("stopping without closing the store") == 1, caplog.text
+    assert said in caplog.text, caplog.text
+
