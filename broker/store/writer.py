@@ -205,10 +205,8 @@ class Writer:
                 if not fl:
                     if self._controls:
                         fn, fut = self._controls.pop(0)
-                        try:
-                            fut.set_result(await fn())
-                        except Exception as exc:
-                            fut.set_exception(exc)
+                        if not fut.done():  # (else its caller was cancelled before it ran -- a stop's, a
+                            await _control(fn, fut)     # promotion's: not done, as the caller was told)
                         continue
                     if self._closing and not self._queue and self._space is None:
                         break
@@ -465,6 +463,22 @@ class Writer:
         queued, self._queue = self._queue, []
         for req, fut in queued:
             resolve(fut, unavailable(req))
+
+
+async def _control(fn, fut) -> None:
+    """Run a control (Writer.control) and answer its caller, if it still waits: one cancelled while ``fn`` ran (a
+    stop cancelling the retention or the slave's copy mid-delete) has it done all the same, said if it failed.
+    set_result on the cancelled future raised in the writer's loop: the writer crashed, the log failed, every
+    later send refused SERVICE_NOT_AVAILABLE until a restart."""
+    try:
+        result = await fn()
+    except Exception as exc:
+        if fut.done():
+            log.error("a store operation its caller gave up on failed: %s", exc, exc_info=not isinstance(exc, OSError))
+        else:
+            fut.set_exception(exc)
+    else:
+        resolve(fut, result)
 
 
 def _flush_ranges(ranges) -> None:

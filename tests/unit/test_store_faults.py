@@ -461,3 +461,34 @@ async def test_a_stop_waits_for_a_flush_as_slow_as_the_disk_has_been_within_its_
     assert caplog.text.count("stopping without closing the store") == 1, caplog.text
     assert said in caplog.text, caplog.text
 
+
+@bounded()
+async def test_a_delete_whose_caller_is_cancelled_behind_a_flush_neither_runs_nor_fails_the_store(tmp_path,
+                                                                                                monkeypatch):
+    """A topic delete waits for the writer between batches (Writer.control); its caller cancelled there (a stop
+    cancelling the slave's copy or the retention mid-delete, behind a slow flush) cancelled the control's future,
+    and the writer, running the delete all the same, set a result on it: InvalidStateError in the writer's loop,
+    the log failed, every later send SERVICE_NOT_AVAILABLE until a restart, and the topic half deleted (its config
+    and queues gone, the caller's steps after it never run). A control given up before it ran is not run now."""
+    first_started, gate, _calls, _ = _gated_flushes(monkeypatch)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    try:
+        held = store.put(req())
+        assert await asyncio.to_thread(first_started.wait, 10)
+        deleting = asyncio.ensure_future(store.delete_topic("T"))
+        for _ in range(10_000):
+            if store._writer._controls:
+                break
+            await asyncio.sleep(0)
+        assert store._writer._controls, "the delete never queued behind the flush"
+        deleting.cancel()
+        gate.set()
+        assert (await held).status == PutStatus.PUT_OK
+        with pytest.raises(asyncio.CancelledError):
+            await deleting
+        after = await store.put(req())
+        assert after.status == PutStatus.PUT_OK, after
+        assert store.max_offset("T", 0) == 2        # not deleted: its caller gave up before it ran
+    finally:
+        await store.close()
