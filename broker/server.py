@@ -62,7 +62,7 @@ from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
 FLUSH_HUNG_S = 10.0     # a commit-log flush in flight this long is said at ERROR (_flush_age)
-STOP_BEHIND_THE_LOG_S = 35.0    # the most a stop waits for a slow store disk (_stop_behind_the_log): with the grace
+STOP_BEHIND_THE_LOG_S = 30.0    # the most a stop waits for a slow store disk (_stop_behind_the_log): with the grace
                                 # (5 s) and a config save's bound after it, under systemd's and compose's 60 s
 LAG_SLICE = 4096        # consumer offsets summed between two turns of the loop (the lag gauge)
 
