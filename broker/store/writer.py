@@ -205,8 +205,8 @@ class Writer:
                 if not fl:
                     if self._controls:
                         fn, fut = self._controls.pop(0)
-                        if not fut.done():  # (else its caller was cancelled before it ran -- a stop's, a
-                            await _control(fn, fut)     # promotion's: not done, as the caller was told)
+                        if not fut.done():  # (else its caller was cancelled before it ran -- a stop's: not
+                            await _control(fn, fut)     # done, as the caller was told)
                         continue
                     if self._closing and not self._queue and self._space is None:
                         break
