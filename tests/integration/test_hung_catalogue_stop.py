@@ -208,7 +208,7 @@ async def test_sigterm_on_a_slow_disk_waits_for_flushes_that_complete_and_closes
     try:
         await _acknowledged_then_committed(broker, 3)
         flag.touch()
-        sent = await _send(broker, "HungFlush", "", b"slow", timeout=30)    # a sync send: answered once its 12 s flush completed
+        sent = await _send(broker, "HungFlush", "", b"slow", timeout=30)    # answered once its 12 s flush returned
         assert sent.code == C.SUCCESS, sent.remark
         last = asyncio.ensure_future(_send(broker, "HungFlush", "", b"last", timeout=60))
         last.add_done_callback(lambda f: f.exception())     # (answered or not: the stop closes its connection)
