@@ -1136,9 +1136,9 @@ class MessageStore:
         return self._writer.flush_age_s()
 
     def slowest_flush_s(self) -> float:
-        """The longest a commit-log flush of this process has taken and returned (Writer.slowest_flush_s): a stop
-        waits that long for one in flight before saying the disk hung (server._stop_behind_the_log)."""
-        return self._writer.slowest_flush_s
+        """The longest a commit-log flush has taken and returned in the last 5 minutes (Writer.slowest_flush_s): a
+        stop waits twice that for one in flight before saying the disk hung (server._stop_behind_the_log)."""
+        return self._writer.slowest_flush_s()
 
     def io_stalled_s(self) -> float:
         """How long a no-op has waited on the store's I/O thread behind the jobs queued before it (0.0 once it came

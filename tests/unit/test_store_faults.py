@@ -492,3 +492,35 @@ async def test_a_delete_whose_caller_is_cancelled_behind_a_flush_neither_runs_no
         assert store.max_offset("T", 0) == 2        # not deleted: its caller gave up before it ran
     finally:
         await store.close()
+
+
+@bounded()
+async def test_a_slow_flush_long_ago_does_not_make_a_later_hang_look_slow(tmp_path, monkeypatch):
+    """The stop's hung bound is twice the slowest flush seen to return (server._hung_after). Kept as the maximum
+    over the process's life, one 25 s flush (a disk slow for a minute, hours ago) made the bound 50 s for ever:
+    past the stop's whole budget (30 s), so a disk that really hung later was waited for all 30 s, not 10, and
+    the stop said it was slow, not hung. Only the recent flushes count (writer.SLOW_FLUSH_WINDOW_S)."""
+    import types
+    shift = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + shift[0],
+                                  monotonic=lambda: time.monotonic() + shift[0])
+    monkeypatch.setattr(writer, "time", clock)
+    real = writer._flush_ranges
+    slow = [True]
+
+    def flush(ranges):
+        if slow[0]:
+            shift[0] += 25.0        # this flush took 25 s, by the writer's clock
+        real(ranges)
+    monkeypatch.setattr(writer, "_flush_ranges", flush)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    try:
+        assert (await store.put(req())).status == PutStatus.PUT_OK
+        assert store.slowest_flush_s() >= 25.0      # just now: the disk is slow
+        slow[0] = False
+        shift[0] += 3600.0                          # an hour of quick flushes later
+        assert (await store.put(req())).status == PutStatus.PUT_OK
+        assert store.slowest_flush_s() < 1.0, store.slowest_flush_s()
+    finally:
+        await store.close()
