@@ -1051,11 +1051,15 @@ class BrokerServer:
                 return
             if time.monotonic() - self._log_stop_began > STOP_BEHIND_THE_LOG_S:
                 stopping.add_done_callback(retrieved)
-                log.error("stopping without closing the %s: the store's disk is slow, not hung (its flushes return, "
-                          "the slowest in %.1f s), but the stop has waited for it %.0f s, all it may under the "
-                          "service manager's 60 s; nothing acknowledged is lost, the next start recovers the log as "
-                          "after a crash (txmq_store_flush_latency_seconds)", name, store.slowest_flush_s(),
-                          time.monotonic() - self._log_stop_began)
+                slowest = store.slowest_flush_s()
+                # (one in flight longer than any returned is not known to be only slow: not said so)
+                disk = ("slow, not hung (its flushes return, the slowest in %.1f s)" % slowest if age <= slowest else
+                        "slow or hung (a flush or a write on its I/O thread has run %.0f s, the slowest to return in "
+                        "the last 5 minutes %.1f s)" % (age, slowest))
+                log.error("stopping without closing the %s: the store's disk is %s, but the stop has waited for it "
+                          "%.0f s, all it may under the service manager's 60 s; nothing acknowledged is lost, the "
+                          "next start recovers the log as after a crash (txmq_store_flush_latency_seconds)", name,
+                          disk, time.monotonic() - self._log_stop_began)
                 return
             done, _ = await asyncio.wait({stopping}, timeout=1.0)
             if done:

@@ -441,7 +441,10 @@ def test_a_hung_flush_is_said_once_and_its_end_once(tmp_path, caplog):
 
 @pytest.mark.parametrize("slowest, said", [
     (0.0, "has not returned in 11 s (a hung disk"),    # no flush ever that slow: hung
-    (6.0, "the store's disk is slow, not hung (its flushes return, the slowest in 6.0 s)")])
+    (20.0, "the store's disk is slow, not hung (its flushes return, the slowest in 20.0 s)"),
+    # in flight longer than any flush has returned (11 s, the slowest 6 s): not known to be only slow
+    (6.0, "the store's disk is slow or hung (a flush or a write on its I/O thread has run 11 s, the slowest to "
+          "return in the last 5 minutes 6.0 s)")])
 @bounded()
 async def test_a_stop_waits_for_a_flush_as_slow_as_the_disk_has_been_within_its_budget(tmp_path, caplog, monkeypatch,
                                                                                      slowest, said):
