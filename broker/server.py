@@ -53,6 +53,7 @@ from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
+from .store import offsets as offsets_store
 from .store.index import IndexService
 from .store.saved import daemon_default_executor, retrieved
 from .subscriptions import SubscriptionGroups, retry_queues
@@ -62,8 +63,11 @@ from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
 FLUSH_HUNG_S = 10.0     # a commit-log flush in flight this long is said at ERROR (_flush_age)
-STOP_BEHIND_THE_LOG_S = 30.0    # the most a stop waits for a slow store disk (_stop_behind_the_log): with the grace
-                                # (5 s) and a config save's bound after it, under systemd's and compose's 60 s
+# The most a stop waits for a slow store disk (_stop_behind_the_log), counted from the stop's start (the grace, the
+# queue lock file before it): the consumer offsets' last save after it waits for a write until it is said hung and
+# HUNG_CLOSE_WAIT_S more (32 s), and all must end under systemd's and compose's 60 s, with 3 s to spare. (30 s from
+# the store's first part, after a 5 s grace and 2 s of lock file: 70 s, SIGKILL before the offsets were saved.)
+STOP_BEHIND_THE_LOG_S = 60.0 - (offsets_store.WRITE_HUNG_S + offsets_store.HUNG_CLOSE_WAIT_S) - 3.0
 LAG_SLICE = 4096        # consumer offsets summed between two turns of the loop (the lag gauge)
 
 
@@ -105,7 +109,7 @@ class BrokerServer:
         self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
         self._io_hung = False       # the store's I/O thread has held a no-op past FLUSH_HUNG_S (_io_stalled)
         self._index_hung = False    # the index thread has held a no-op past FLUSH_HUNG_S (_index_stalled)
-        self._log_stop_began: float | None = None   # when the stop began waiting for the store (_stop_behind_the_log)
+        self._stop_began: float | None = None   # when stop() began (_stop_behind_the_log's budget counts from it)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -953,6 +957,7 @@ class BrokerServer:
             await asyncio.wait(left, timeout=1.0)
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        self._stop_began = time.monotonic()
         if self.registrar is not None:      # out of the routes first: clients stop choosing this broker
             await self.registrar.stop()
         if self.slave_sync is not None:
@@ -1025,8 +1030,8 @@ class BrokerServer:
         stopping = asyncio.ensure_future(_maybe_await(stop))
         store = self.ctx.store
         started = time.monotonic()
-        if self._log_stop_began is None:
-            self._log_stop_began = started
+        if self._stop_began is None:    # (called without stop())
+            self._stop_began = started
         while True:
             age = max(store.flush_age_s(), store.io_stalled_s()) if store is not None else 0.0
             hung_after = self._hung_after()
@@ -1049,17 +1054,17 @@ class BrokerServer:
                           "acknowledged is lost, the next start recovers the log as after a crash "
                           "(txmq_store_flush_in_flight_seconds, txmq_store_io_stalled_seconds)", name, age)
                 return
-            if time.monotonic() - self._log_stop_began > STOP_BEHIND_THE_LOG_S:
+            if time.monotonic() - self._stop_began > STOP_BEHIND_THE_LOG_S:
                 stopping.add_done_callback(retrieved)
                 slowest = store.slowest_flush_s()
                 # (one in flight longer than any returned is not known to be only slow: not said so)
                 disk = ("slow, not hung (its flushes return, the slowest in %.1f s)" % slowest if age <= slowest else
                         "slow or hung (a flush or a write on its I/O thread has run %.0f s, the slowest to return in "
                         "the last 5 minutes %.1f s)" % (age, slowest))
-                log.error("stopping without closing the %s: the store's disk is %s, but the stop has waited for it "
-                          "%.0f s, all it may under the service manager's 60 s; nothing acknowledged is lost, the "
-                          "next start recovers the log as after a crash (txmq_store_flush_latency_seconds)", name,
-                          disk, time.monotonic() - self._log_stop_began)
+                log.error("stopping without closing the %s: the store's disk is %s, but the stop has run %.0f s, "
+                          "all it may with the offsets' last save to come under 60 s; nothing acknowledged is lost, "
+                          "the next start recovers the log as after a crash (txmq_store_flush_latency_seconds)",
+                          name, disk, time.monotonic() - self._stop_began)
                 return
             done, _ = await asyncio.wait({stopping}, timeout=1.0)
             if done:
