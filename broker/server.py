@@ -374,11 +374,13 @@ class BrokerServer:
         nothing deleted, when its queues hold a record copied at or past ``written_from`` (the log's end when the
         master's table was asked for): made again on the master since, the table could not know it."""
         ctx = self.ctx
-        queues = await ctx.store.delete_topic(topic, lambda: ctx.topics.delete(topic), written_from=written_from)
+        def forget():   # with the queues, as the master's delete_topic_in_broker (not after: see there)
+            ctx.topics.delete(topic)
+            ctx.offsets.remove_topic(topic)
+            self.metrics.forget_topic(topic)
+        queues = await ctx.store.delete_topic(topic, forget, written_from=written_from)
         if queues < 0:
             return False
-        ctx.offsets.remove_topic(topic)
-        self.metrics.forget_topic(topic)
         log.warning("topic %s deleted: its master has it no more (%d consume queues removed)", topic, queues)
         return True
 
