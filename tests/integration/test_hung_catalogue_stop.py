@@ -16,7 +16,7 @@ from protocol.codes import ResponseCode as C
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import request, stored_count
-from tests.support.hung_writes import hung_flush_env, release, sigterm_ends, slow_flush_env
+from tests.support.hung_writes import flush_in_flight, hung_flush_env, release, sigterm_ends, slow_flush_env
 
 pytestmark = pytest.mark.asyncio
 
@@ -212,7 +212,7 @@ async def test_sigterm_on_a_slow_disk_waits_for_flushes_that_complete_and_closes
         assert sent.code == C.SUCCESS, sent.remark
         last = asyncio.ensure_future(_send(broker, "HungFlush", "", b"last", timeout=60))
         last.add_done_callback(lambda f: f.exception())     # (answered or not: the stop closes its connection)
-        await asyncio.sleep(1.0)    # its flush under way (no event to await for a flush that has begun)
+        await flush_in_flight(broker)   # its flush under way, held by the slow disk
         sigterm_ends(broker, "slow commit-log flush", within=60)
     finally:
         flag.unlink(missing_ok=True)

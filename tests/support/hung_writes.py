@@ -2,10 +2,14 @@
 a stopped NFS): SIGTERM, then the process must end within a bound; the FIFO released after."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import time
+import urllib.request
 
 import pytest
 
@@ -46,3 +50,17 @@ def unblock(fifo) -> None:
 def release(fifo, server) -> None:
     unblock(fifo)
     server.kill()
+
+
+async def flush_in_flight(broker, within: float = 20.0) -> None:
+    """Until ``broker`` (a BrokerProcess) shows a commit-log flush in flight (txmq_store_flush_in_flight_seconds
+    above 0, its gauges refreshed each second): a flush held by a slow or hung disk has begun."""
+    url = f"http://{broker.metrics}/metrics"
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        m = re.search(r"^txmq_store_flush_in_flight_seconds (\S+)$", text, re.M)
+        if m and float(m[1]) > 0:
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail(f"no commit-log flush in flight within {within:g} s\n{broker.log()}")
