@@ -53,6 +53,7 @@ from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
 from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
+from .store import offsets as offsets_store
 from .store.index import IndexService
 from .store.saved import daemon_default_executor, retrieved
 from .subscriptions import SubscriptionGroups, retry_queues
@@ -62,6 +63,11 @@ from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
 FLUSH_HUNG_S = 10.0     # a commit-log flush in flight this long is said at ERROR (_flush_age)
+# The most a stop waits for a slow store disk (_stop_behind_the_log), counted from the stop's start (the grace, the
+# queue lock file before it): the consumer offsets' last save after it waits for a write until it is said hung and
+# HUNG_CLOSE_WAIT_S more (32 s), and all must end under systemd's and compose's 60 s, with 3 s to spare. (30 s from
+# the store's first part, after a 5 s grace and 2 s of lock file: 70 s, SIGKILL before the offsets were saved.)
+STOP_BEHIND_THE_LOG_S = 60.0 - (offsets_store.WRITE_HUNG_S + offsets_store.HUNG_CLOSE_WAIT_S) - 3.0
 LAG_SLICE = 4096        # consumer offsets summed between two turns of the loop (the lag gauge)
 
 
@@ -103,6 +109,7 @@ class BrokerServer:
         self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
         self._io_hung = False       # the store's I/O thread has held a no-op past FLUSH_HUNG_S (_io_stalled)
         self._index_hung = False    # the index thread has held a no-op past FLUSH_HUNG_S (_index_stalled)
+        self._stop_began: float | None = None   # when stop() began (_stop_behind_the_log's budget counts from it)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
         self.slave_sync: SlaveSync | None = None         # a slave: copies its master's consumer offsets
@@ -368,11 +375,13 @@ class BrokerServer:
         nothing deleted, when its queues hold a record copied at or past ``written_from`` (the log's end when the
         master's table was asked for): made again on the master since, the table could not know it."""
         ctx = self.ctx
-        queues = await ctx.store.delete_topic(topic, lambda: ctx.topics.delete(topic), written_from=written_from)
+        def forget():   # with the queues, as the master's delete_topic_in_broker (not after: see there)
+            ctx.topics.delete(topic)
+            ctx.offsets.remove_topic(topic)
+            self.metrics.forget_topic(topic)
+        queues = await ctx.store.delete_topic(topic, forget, written_from=written_from)
         if queues < 0:
             return False
-        ctx.offsets.remove_topic(topic)
-        self.metrics.forget_topic(topic)
         log.warning("topic %s deleted: its master has it no more (%d consume queues removed)", topic, queues)
         return True
 
@@ -951,6 +960,7 @@ class BrokerServer:
             await asyncio.wait(left, timeout=1.0)
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        self._stop_began = time.monotonic()
         if self.registrar is not None:      # out of the routes first: clients stop choosing this broker
             await self.registrar.stop()
         if self.slave_sync is not None:
@@ -1009,7 +1019,7 @@ class BrokerServer:
             log.exception("stopping the %s failed; going on with the rest", name)
 
     async def _stop_behind_the_log(self, name: str, stop) -> None:
-        """``stop()``, given up once a commit-log flush has been in flight past FLUSH_HUNG_S (at once if it already
+        """``stop()``, given up once a commit-log flush has been in flight past ``_hung_after`` (at once if it already
         has), or a no-op on the store's I/O thread has waited that long (a write there hangs: store.io_stalled_s).
         The transactions' last snapshot (store.run_io: after the flushes queued before it) and the store's
         close (the writer drains its flushes) waited for an msync that never returned (a hung disk, a stopped NFS)
@@ -1017,17 +1027,22 @@ class BrokerServer:
         consumer offsets -- was never saved (a supervisor's SIGKILL then lost every commit since the last periodic
         save). Given up, the log is left as a kill -9 leaves it: nothing acknowledged is lost (a sync send is
         acknowledged once flushed; an async one's bytes are in the page cache, which outlives the process), and the
-        next start recovers it from the checkpoint as after a crash; a send the flush holds was never answered."""
+        next start recovers it from the checkpoint as after a crash; a send the flush holds was never answered.
+        A slow disk is not a hung one: a flush no slower than this disk's flushes have been (returned) is waited for,
+        all these parts together within STOP_BEHIND_THE_LOG_S of the first (under the service manager's 60 s)."""
         stopping = asyncio.ensure_future(_maybe_await(stop))
         store = self.ctx.store
         started = time.monotonic()
+        if self._stop_began is None:    # (called without stop())
+            self._stop_began = started
         while True:
             age = max(store.flush_age_s(), store.io_stalled_s()) if store is not None else 0.0
+            hung_after = self._hung_after()
             waited = time.monotonic() - started
-            # (the index's thread already seen held, its gauge past the bound: at once, not FLUSH_HUNG_S more)
+            # (the index's thread already seen held, its gauge past the bound: at once, not hung_after more)
             held = self.ctx.index.stalled_s() if name in _OWN_BOUND else 0.0
             own = max(waited, held) if name in _OWN_BOUND else 0.0
-            if own > FLUSH_HUNG_S and age <= FLUSH_HUNG_S:
+            if own > hung_after and age <= hung_after:
                 stopping.add_done_callback(retrieved)
                 log.error("stopping without closing the %s: %s (on its own thread, on the store's disk) has not "
                           "returned in %.0f s (a hung disk or a stopped network file system?); the next start "
@@ -1035,16 +1050,35 @@ class BrokerServer:
                           "a write its thread was already held by when the stop began" if held > waited + 1.0
                           else "its last save", own)
                 return
-            if age > FLUSH_HUNG_S:
+            if age > hung_after:
                 stopping.add_done_callback(retrieved)
                 log.error("stopping without closing the %s: a commit-log flush (msync) or a write on the store's I/O "
                           "thread has not returned in %.0f s (a hung disk or a stopped network file system?); nothing "
                           "acknowledged is lost, the next start recovers the log as after a crash "
                           "(txmq_store_flush_in_flight_seconds, txmq_store_io_stalled_seconds)", name, age)
                 return
+            if time.monotonic() - self._stop_began > STOP_BEHIND_THE_LOG_S:
+                stopping.add_done_callback(retrieved)
+                slowest = store.slowest_flush_s()
+                # (one in flight longer than any returned is not known to be only slow: not said so)
+                disk = ("slow, not hung (its flushes return, the slowest in %.1f s)" % slowest if age <= slowest else
+                        "slow or hung (a flush or a write on its I/O thread has run %.0f s, the slowest to return in "
+                        "the last 5 minutes %.1f s)" % (age, slowest))
+                log.error("stopping without closing the %s: the store's disk is %s, but the stop has run %.0f s, "
+                          "all it may with the offsets' last save to come under 60 s; nothing acknowledged is lost, "
+                          "the next start recovers the log as after a crash (txmq_store_flush_latency_seconds)",
+                          name, disk, time.monotonic() - self._stop_began)
+                return
             done, _ = await asyncio.wait({stopping}, timeout=1.0)
             if done:
                 return stopping.result()
+
+    def _hung_after(self) -> float:
+        """How long a store wait runs before a stop says the disk hung: FLUSH_HUNG_S, or twice the slowest flush
+        this disk has returned from (a flush that slow is one it makes, slowly: given up at 10 s, a slow disk's stop
+        left the store unclosed, its last checkpoint unwritten, and said at ERROR that the disk hung)."""
+        store = self.ctx.store
+        return max(FLUSH_HUNG_S, 2 * store.slowest_flush_s()) if store is not None else FLUSH_HUNG_S
 
 
 # The parts of a stop that wait for the commit log's flushes (server.stop: _stop_behind_the_log)

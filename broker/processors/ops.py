@@ -273,13 +273,18 @@ async def delete_topic_in_broker(ctx, conn, cmd):
     if is_system_topic(topic):
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"The topic[{topic}] is conflict with system topic.")
     existed, unmarked = [], []
+
     # The config goes with the queues, between the writer's batches: forgotten before, a send accepted earlier and
-    # written after it opened a new queue, and the store made the topic again (topics.queue_appeared).
-    queues = await ctx.store.delete_topic(topic, lambda: existed.append(ctx.topics.delete(topic)), unmarked.append)
+    # written after it opened a new queue, and the store made the topic again (topics.queue_appeared). The offsets
+    # with them: after the delete, in this coroutine, a stop cancelling it while the writer ran the delete (which
+    # then finishes) left the deleted topic's offsets to be saved, its groups at their old positions on a new one.
+    def forget():
+        existed.append(ctx.topics.delete(topic))
+        ctx.offsets.remove_topic(topic)
+        ctx.metrics.forget_topic(topic)
+        forget_moves(topic)
+    queues = await ctx.store.delete_topic(topic, forget, unmarked.append)
     existed = bool(existed and existed[0])
-    ctx.offsets.remove_topic(topic)
-    ctx.metrics.forget_topic(topic)
-    forget_moves(topic)
     log.warning("topic %s deleted by %s (%s, %d consume queues removed; its records stay in the log until "
                 "retention)", topic, _peer(conn), "configured" if existed else "not configured", queues)
     # Answered once the catalogue and the offsets say so: a kill before their batched writes brought the topic

@@ -1135,6 +1135,11 @@ class MessageStore:
         """How long the oldest commit-log flush in flight has run (0.0: none; Writer.flush_age_s)."""
         return self._writer.flush_age_s()
 
+    def slowest_flush_s(self) -> float:
+        """The longest a commit-log flush has taken and returned in the last 5 minutes (Writer.slowest_flush_s): a
+        stop waits twice that for one in flight before saying the disk hung (server._stop_behind_the_log)."""
+        return self._writer.slowest_flush_s()
+
     def io_stalled_s(self) -> float:
         """How long a no-op has waited on the store's I/O thread behind the jobs queued before it (0.0 once it came
         through, and then the next is queued). For a stop (server._stop_behind_the_log): it waited for ever behind a

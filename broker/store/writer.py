@@ -29,6 +29,7 @@ good: nothing more is accepted and nothing unflushed is acknowledged.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -46,6 +47,7 @@ from .results import PutRequest
 log = logging.getLogger("txmq.store")
 # RocketMQ's DefaultMessageStore answers a put on a slave SERVICE_NOT_AVAILABLE; its log line says why.
 _SLAVE_REMARK = "the broker role is SLAVE: messages are written to its master, never to a slave"
+SLOW_FLUSH_WINDOW_S = 300   # the flushes a stop judges the disk by (Writer.slowest_flush_s): the last 5 minutes
 
 
 class Writer:
@@ -77,6 +79,9 @@ class Writer:
         self._space_failing = False
         self._taken: list | None = None     # the (request, future) entries _write is copying
         self.on_flush: Callable[[float], None] | None = None    # seconds one flush took (metrics)
+        # The longest flush that returned in each of the last minutes (minute, seconds): how slow this disk is now,
+        # not hung (slowest_flush_s). Over the process's life, one slow minute hours ago bounded every later stop.
+        self._slowest: collections.deque = collections.deque(maxlen=SLOW_FLUSH_WINDOW_S // 60 + 1)
         # A second flush starts only once the one in flight has run this long (seconds): the disk is slow
         # right now and the next batch should not wait a whole cycle for it. Sooner, waiting is cheaper:
         # a second flush splits the group commit in two, and each costs hand-offs to a thread and back.
@@ -204,10 +209,8 @@ class Writer:
                 if not fl:
                     if self._controls:
                         fn, fut = self._controls.pop(0)
-                        try:
-                            fut.set_result(await fn())
-                        except Exception as exc:
-                            fut.set_exception(exc)
+                        if not fut.done():  # (else its caller was cancelled before it ran -- a stop's: not
+                            await _control(fn, fut)     # done, as the caller was told)
                         continue
                     if self._closing and not self._queue and self._space is None:
                         break
@@ -430,11 +433,23 @@ class Writer:
         while self._flushing:
             self._flush_done(failure)
 
+    def slowest_flush_s(self) -> float:
+        """The longest a flush that returned took within the last SLOW_FLUSH_WINDOW_S (0.0: none)."""
+        since = int(time.monotonic() // 60) - SLOW_FLUSH_WINDOW_S // 60
+        return max((took for minute, took in self._slowest if minute >= since), default=0.0)
+
     def _flush_done(self, exc: BaseException | None) -> None:
         # Left in _flushing until completed: if completing raises (a bug), the writer's clean-up answers it.
         fut, end, end_ts, waiting, units, infos, started, _io = self._flushing[0]
+        took = time.perf_counter() - started
+        minute = int(time.monotonic() // 60)
+        if self._slowest and self._slowest[-1][0] == minute:
+            if took > self._slowest[-1][1]:
+                self._slowest[-1] = (minute, took)
+        else:
+            self._slowest.append((minute, took))
         if self.on_flush is not None:
-            self.on_flush(time.perf_counter() - started)
+            self.on_flush(took)
         if exc is not None:
             # Nothing of this flush, nor of what was written after it, is acknowledged or made
             # readable, and nothing is flushed again: the state on disk is unknown.
@@ -461,6 +476,22 @@ class Writer:
         queued, self._queue = self._queue, []
         for req, fut in queued:
             resolve(fut, unavailable(req))
+
+
+async def _control(fn, fut) -> None:
+    """Run a control (Writer.control) and answer its caller, if it still waits: one cancelled while ``fn`` ran (a
+    stop cancelling the retention or the slave's copy mid-delete) has it done all the same, said if it failed.
+    set_result on the cancelled future raised in the writer's loop: the writer crashed, the log failed, every
+    later send refused SERVICE_NOT_AVAILABLE until a restart."""
+    try:
+        result = await fn()
+    except Exception as exc:
+        if fut.done():
+            log.error("a store operation its caller gave up on failed: %s", exc, exc_info=not isinstance(exc, OSError))
+        else:
+            fut.set_exception(exc)
+    else:
+        resolve(fut, result)
 
 
 def _flush_ranges(ranges) -> None:

@@ -3,8 +3,10 @@ topics. The hang is real: topics.json.tmp is a FIFO no one reads, so the config 
 as on a stopped NFS."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 
 import pytest
 
@@ -14,16 +16,17 @@ from protocol.codes import ResponseCode as C
 from tests.support.bounded import bounded
 from tests.support.broker_process import BrokerProcess
 from tests.support.cluster_process import request, stored_count
-from tests.support.hung_writes import hung_flush_env, release, sigterm_ends
+from tests.support.hung_writes import flush_in_flight, hung_flush_env, release, sigterm_ends, slow_flush_env
 
 pytestmark = pytest.mark.asyncio
 
 
-async def _send(broker: BrokerProcess, topic: str, properties: str, body: bytes):
+async def _send(broker: BrokerProcess, topic: str, properties: str, body: bytes, timeout: float = 5.0):
     """SEND_MESSAGE to queue 0 of ``topic`` (created from TBW102 if new)."""
     return await request(broker.broker, R.SEND_MESSAGE, {
         "producerGroup": "PG_hung", "topic": topic, "defaultTopic": "TBW102", "defaultTopicQueueNums": "4",
-        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": properties}, body)
+        "queueId": "0", "sysFlag": "0", "bornTimestamp": "0", "flag": "0", "properties": properties}, body,
+        timeout=timeout)
 
 
 @bounded(90)
@@ -191,3 +194,40 @@ async def test_sigterm_behind_a_hung_index_progress_write_ends_and_saves_offsets
         release(fifo, broker)
     os.unlink(fifo)
     await _restarted_holds(store, 3)
+
+
+@bounded(150)
+async def test_sigterm_on_a_slow_disk_waits_for_flushes_that_complete_and_closes_the_store(tmp_path):
+    """A slow disk, not a hung one: each commit-log flush takes 12 s and completes. The stop gave up the
+    transactions' snapshot and the store's close once a flush had run 10 s, said at ERROR that the disk hung, and
+    left the store as a kill -9 does (no last checkpoint: the next start recovers the log as after a crash). A flush
+    no slower than flushes this disk has completed is moving: the stop waits for it (within the service manager's
+    60 s), closes everything, and says nothing of a hung disk."""
+    store, flag = tmp_path / "store", tmp_path / "slow.flag"
+    broker = BrokerProcess(store, env=slow_flush_env(flag, 12)).start()
+    try:
+        await _acknowledged_then_committed(broker, 3)
+        flag.touch()
+        sent = await _send(broker, "HungFlush", "", b"slow", timeout=30)    # answered once its 12 s flush returned
+        assert sent.code == C.SUCCESS, sent.remark
+        last = asyncio.ensure_future(_send(broker, "HungFlush", "", b"last", timeout=60))
+        last.add_done_callback(lambda f: f.exception())     # (answered or not: the stop closes its connection)
+        await flush_in_flight(broker)   # its flush under way, held by the slow disk
+        sigterm_ends(broker, "slow commit-log flush", within=60)
+    finally:
+        flag.unlink(missing_ok=True)
+        broker.kill()
+    stop = broker.log().partition("signal received: stopping")[2]   # (running, a 12 s flush is said, as it should)
+    assert "stopping without closing" not in stop and "hung disk" not in stop and "stopped" in stop, broker.log()
+    again = BrokerProcess(store).start()
+    try:    # the slow send acknowledged, and the last one, flushed by the close that waited for it
+        assert await stored_count(again.broker, "HungFlush", 4) == 5, again.log()
+    finally:
+        again.kill()
+    # closed: checkpointed at the log's end, the transactions' snapshot written (not recovered as after a crash)
+    start = again.log().partition("INFO txmq.server: stopped")[2]
+    report = re.search(r"checkpoint_offset=(\d+), scanned_from=\d+, end_offset=(\d+)", start)
+    assert report and report[1] == report[2], start
+    assert "transactions recovered from the snapshot" in start, start
+    await _restarted_holds(store, 3)
+

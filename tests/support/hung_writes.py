@@ -2,10 +2,14 @@
 a stopped NFS): SIGTERM, then the process must end within a bound; the FIFO released after."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import time
+import urllib.request
 
 import pytest
 
@@ -29,6 +33,14 @@ def hung_flush_env(fifo, repo=None) -> dict:
     return {"PYTHONPATH": os.pathsep.join((hook, str(repo or REPO))), "TXMQ_TEST_HUNG_FLUSH_FIFO": str(fifo)}
 
 
+def slow_flush_env(flag, seconds: float) -> dict:
+    """The ``env`` of a BrokerProcess whose commit-log flushes each take ``seconds`` more, and then complete (a slow
+    disk, not a hung one), while the file ``flag`` exists: hung_flush_hook/sitecustomize.py."""
+    env = hung_flush_env("")
+    del env["TXMQ_TEST_HUNG_FLUSH_FIFO"]
+    return {**env, "TXMQ_TEST_SLOW_FLUSH": f"{flag}:{seconds:g}"}
+
+
 def unblock(fifo) -> None:
     """A reader lets a writer still blocked in open() go on."""
     with contextlib.suppress(OSError):
@@ -38,3 +50,17 @@ def unblock(fifo) -> None:
 def release(fifo, server) -> None:
     unblock(fifo)
     server.kill()
+
+
+async def flush_in_flight(broker, within: float = 20.0) -> None:
+    """Until ``broker`` (a BrokerProcess) shows a commit-log flush in flight (txmq_store_flush_in_flight_seconds
+    above 0, its gauges refreshed each second): a flush held by a slow or hung disk has begun."""
+    url = f"http://{broker.metrics}/metrics"
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        m = re.search(r"^txmq_store_flush_in_flight_seconds (\S+)$", text, re.M)
+        if m and float(m[1]) > 0:
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail(f"no commit-log flush in flight within {within:g} s\n{broker.log()}")

@@ -437,3 +437,117 @@ def test_a_hung_flush_is_said_once_and_its_end_once(tmp_path, caplog):
     server._flush_age()
     server._flush_age()
     assert caplog.text.count("commit-log flushes return again") == 1
+
+
+@pytest.mark.parametrize("slowest, said", [
+    (0.0, "has not returned in 11 s (a hung disk"),    # no flush ever that slow: hung
+    (20.0, "the store's disk is slow, not hung (its flushes return, the slowest in 20.0 s)"),
+    # in flight longer than any flush has returned (11 s, the slowest 6 s): not known to be only slow
+    (6.0, "the store's disk is slow or hung (a flush or a write on its I/O thread has run 11 s, the slowest to "
+          "return in the last 5 minutes 6.0 s)")])
+@bounded()
+async def test_a_stop_waits_for_a_flush_as_slow_as_the_disk_has_been_within_its_budget(tmp_path, caplog, monkeypatch,
+                                                                                     slowest, said):
+    """A flush in flight 11 s: hung on a disk whose flushes have all returned quicker than FLUSH_HUNG_S, given up at
+    once; on one whose flushes have taken 6 s, slow (twice that is its bound), waited for until the stop's budget
+    (STOP_BEHIND_THE_LOG_S, 0.5 s here) is spent, then given up saying so, not that the disk hung."""
+    import types
+
+    from broker import server as server_mod
+    from broker.config import BrokerConfig
+    monkeypatch.setattr(server_mod, "STOP_BEHIND_THE_LOG_S", 0.5)
+    server = server_mod.BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(
+        flush_age_s=lambda: server_mod.FLUSH_HUNG_S + 1, io_stalled_s=lambda: 0.0, slowest_flush_s=lambda: slowest))
+    never = asyncio.Event()
+    await server._stop_behind_the_log("store", never.wait)
+    assert caplog.text.count("stopping without closing the store") == 1, caplog.text
+    assert said in caplog.text, caplog.text
+
+
+@bounded()
+async def test_a_delete_whose_caller_is_cancelled_behind_a_flush_neither_runs_nor_fails_the_store(tmp_path,
+                                                                                                monkeypatch):
+    """A topic delete waits for the writer between batches (Writer.control); its caller cancelled there (a stop
+    cancelling the slave's copy or the retention mid-delete, behind a slow flush) cancelled the control's future,
+    and the writer, running the delete all the same, set a result on it: InvalidStateError in the writer's loop,
+    the log failed, every later send SERVICE_NOT_AVAILABLE until a restart, and the topic half deleted (its config
+    and queues gone, the caller's steps after it never run). A control given up before it ran is not run now."""
+    first_started, gate, _calls, _ = _gated_flushes(monkeypatch)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    try:
+        held = store.put(req())
+        assert await asyncio.to_thread(first_started.wait, 10)
+        deleting = asyncio.ensure_future(store.delete_topic("T"))
+        for _ in range(10_000):
+            if store._writer._controls:
+                break
+            await asyncio.sleep(0)
+        assert store._writer._controls, "the delete never queued behind the flush"
+        deleting.cancel()
+        gate.set()
+        assert (await held).status == PutStatus.PUT_OK
+        with pytest.raises(asyncio.CancelledError):
+            await deleting
+        after = await store.put(req())
+        assert after.status == PutStatus.PUT_OK, after
+        assert store.max_offset("T", 0) == 2        # not deleted: its caller gave up before it ran
+    finally:
+        await store.close()
+
+
+@bounded()
+async def test_a_slow_flush_long_ago_does_not_make_a_later_hang_look_slow(tmp_path, monkeypatch):
+    """The stop's hung bound is twice the slowest flush seen to return (server._hung_after). Kept as the maximum
+    over the process's life, one 25 s flush (a disk slow for a minute, hours ago) made the bound 50 s for ever:
+    past the stop's whole budget (30 s), so a disk that really hung later was waited for all 30 s, not 10, and
+    the stop said it was slow, not hung. Only the recent flushes count (writer.SLOW_FLUSH_WINDOW_S)."""
+    import types
+    shift = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + shift[0],
+                                  monotonic=lambda: time.monotonic() + shift[0])
+    monkeypatch.setattr(writer, "time", clock)
+    real = writer._flush_ranges
+    slow = [True]
+
+    def flush(ranges):
+        if slow[0]:
+            shift[0] += 25.0        # this flush took 25 s, by the writer's clock
+        real(ranges)
+    monkeypatch.setattr(writer, "_flush_ranges", flush)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    try:
+        assert (await store.put(req())).status == PutStatus.PUT_OK
+        assert store.slowest_flush_s() >= 25.0      # just now: the disk is slow
+        slow[0] = False
+        shift[0] += 3600.0                          # an hour of quick flushes later
+        assert (await store.put(req())).status == PutStatus.PUT_OK
+        assert store.slowest_flush_s() < 1.0, store.slowest_flush_s()
+    finally:
+        await store.close()
+
+
+@bounded(8)
+async def test_a_slow_disk_stop_leaves_the_offsets_last_save_its_bound_under_60_s(tmp_path, caplog):
+    """The store's wait on a slow disk (STOP_BEHIND_THE_LOG_S) came after the grace (5 s) and the queue lock file
+    (2 s) and before the consumer offsets' last save, which waits for a write until it is said hung (30 s) and 2 s
+    more: 5 + 2 + 30 (+1, the wait's step) + 32 = 70 s, past systemd's and compose's 60 s (TimeoutStopSec): SIGKILL
+    before the offsets were saved, consumers sent back to the last periodic save. The budget now runs from the
+    stop's start and leaves the offsets' bound: a store part begun 24 s into the stop is given up within 2 s."""
+    import types
+
+    from broker import server as server_mod
+    from broker.config import BrokerConfig
+    from broker.store import offsets
+    assert server_mod.STOP_BEHIND_THE_LOG_S + 1 + offsets.WRITE_HUNG_S + offsets.HUNG_CLOSE_WAIT_S <= 58
+    server = server_mod.BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(
+        flush_age_s=lambda: server_mod.FLUSH_HUNG_S + 1, io_stalled_s=lambda: 0.0, slowest_flush_s=lambda: 20.0))
+    server._stop_began = time.monotonic() - 24.0     # the grace, the lock file, the retention and scheduler spent it
+    never = asyncio.Event()
+    began = time.monotonic()
+    await server._stop_behind_the_log("store", never.wait)
+    assert time.monotonic() - began < 2.5
+    assert "the store's disk is slow, not hung" in caplog.text, caplog.text

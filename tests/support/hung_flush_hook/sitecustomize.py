@@ -1,18 +1,24 @@
 """Loaded by a broker process started with ``tests.support.hung_writes.hung_flush_env`` (on its PYTHONPATH): while
 the FIFO it names exists, each commit-log flush blocks before its msync in an open() of the FIFO for writing, which
 no one reads -- an msync that never returns (a hung disk, a stopped NFS), on the store's own flush thread. No real
-one can be made here (no device-mapper to suspend, no FUSE library)."""
+one can be made here (no device-mapper to suspend, no FUSE library). Started with ``slow_flush_env``, it is a slow
+disk instead: while the flag file it names exists, each flush takes that many seconds more, and then completes."""
 import os
+import time
 
 _FIFO = os.environ.get("TXMQ_TEST_HUNG_FLUSH_FIFO")
-if _FIFO:
+_SLOW = os.environ.get("TXMQ_TEST_SLOW_FLUSH")     # "<flag file>:<seconds>"
+if _FIFO or _SLOW:
     from broker.store import writer
 
     _flush = writer._flush_ranges
+    _flag, _, _seconds = (_SLOW or "").rpartition(":")
 
-    def _hung_while_the_fifo_exists(ranges):
-        if os.path.exists(_FIFO):
+    def _hung_or_slow(ranges):
+        if _FIFO and os.path.exists(_FIFO):
             os.close(os.open(_FIFO, os.O_WRONLY))
+        if _flag and os.path.exists(_flag):
+            time.sleep(float(_seconds))
         _flush(ranges)
 
-    writer._flush_ranges = _hung_while_the_fifo_exists
+    writer._flush_ranges = _hung_or_slow
