@@ -71,3 +71,41 @@ def write_checkpoint(store_dir: str, point: Checkpoint) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(store_dir)
+
+
+QUEUES_FILE = "queues"      # the consume queues holding a unit, as of the checkpoint (one "topic queue-id" a line)
+_QUEUES_HEAD = "txmq queues 1"
+
+
+def read_queue_list(store_dir: str) -> set[tuple[str, int]] | None:
+    """The queues the last checkpoint vouched for; None when there is no list (a store older than it) or it is
+    damaged (said at WARNING: only a removed queue directory goes unnoticed then, as before)."""
+    path = os.path.join(store_dir, QUEUES_FILE)
+    try:
+        with open(path, encoding="ascii") as f:
+            lines = f.read().splitlines()
+        if not lines or lines[0] != _QUEUES_HEAD:
+            raise ValueError("no header")
+        return {(topic, int(qid)) for topic, qid in (line.split(" ") for line in lines[1:])}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("queue list %s is unreadable (%s): a queue directory removed since the last checkpoint is not "
+                    "noticed at this start", path, exc)
+        return None
+
+
+def write_queue_list(store_dir: str, queues) -> None:
+    """Blocking (fsyncs), before the checkpoint that vouches for their units: a queue directory found missing at
+    the next start while this names it is rebuilt from the whole log, not taken for a queue with no message."""
+    path = os.path.join(store_dir, QUEUES_FILE)
+    tmp = path + ".tmp"
+    text = "\n".join([_QUEUES_HEAD] + [f"{topic} {qid}" for topic, qid in sorted(queues)]) + "\n"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, text.encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(store_dir)

@@ -27,7 +27,8 @@ from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
 from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_timestamp_at
 
-from .checkpoint import FILE_NAME as CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import (FILE_NAME as CHECKPOINT_FILE, QUEUES_FILE, Checkpoint, read_checkpoint, read_queue_list,
+                         write_checkpoint, write_queue_list)
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
@@ -105,6 +106,7 @@ class MessageStore:
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
         self._rebuilding: str | None = None     # REBUILD_FILE while no checkpoint has followed the rebuild
+        self._listed: frozenset | None = None   # the queues the queue list on disk names (checkpoint.QUEUES_FILE)
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
@@ -191,22 +193,37 @@ class MessageStore:
             elif os.path.exists(rebuilding):        # ended: the checkpoint written, the crash before its removal
                 os.unlink(rebuilding)
             self._load_queues(None if checkpoint is None or rebuild else checkpoint.flushed_offset)
-            if (not rebuild and checkpoint is not None and not self._cqs and not self._deleted
-                    and self._first_segment_start() < checkpoint.flushed_offset):
-                # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
-                # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
-                # from the checkpoint, only queues with a record past it came back, every other message unreachable
-                log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
-                            "every consume queue is rebuilt from the whole log (the checkpoint moved to %s until "
-                            "the rebuilt queues are flushed)", checkpoint.flushed_offset, REBUILD_FILE)
-                # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
-                # log ending there is refused, not cut; dispatch listeners replay only past it, as their own files
-                # are there) but is moved aside before the rebuild: until the first checkpoint after it
-                # flushes the rebuilt queues and their new directories, a power loss could lose some of them while
-                # the old one still vouched for the log below it (the next start scanned from it: lost for good).
-                rebuild = True
-                os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
-                fsync_dir(self.store_dir)
+            listed = read_queue_list(self.store_dir)
+            self._listed = None if listed is None else frozenset(listed)
+            missing = sorted(key for key in listed or () if key[0] not in self._deleted
+                             and not (key in self._cqs and self._cqs[key].max_offset))
+            if not rebuild and checkpoint is not None:
+                if not self._cqs and not self._deleted and self._first_segment_start() < checkpoint.flushed_offset:
+                    # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left
+                    # holding no queue and no deleted topic's mark (its topics' directories emptied, a stray file):
+                    # scanned from the checkpoint, only queues with a record past it came back, every other message
+                    # unreachable
+                    log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset "
+                                "%d: every consume queue is rebuilt from the whole log (the checkpoint moved to %s "
+                                "until the rebuilt queues are flushed)", checkpoint.flushed_offset, REBUILD_FILE)
+                    rebuild = True
+                elif missing:
+                    # Some queues' directories removed (what our own errors advise for a damaged queue, a restore
+                    # that missed one) under a checkpoint that vouched for their units (the queue list names them):
+                    # scanned from it, a queue with no record past it came back empty, unsaid.
+                    log.warning("consume queues %s (%d in all, named by %s) are missing from consumequeue/: every "
+                                "consume queue is rebuilt from the whole log (the checkpoint moved to %s until the "
+                                "rebuilt queues are flushed)", ", ".join(f"{t}-{q}" for t, q in missing[:20]),
+                                len(missing), QUEUES_FILE, REBUILD_FILE)
+                    rebuild = True
+                if rebuild:
+                    # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
+                    # log ending there is refused, not cut; dispatch listeners replay only past it, as their own
+                    # files are there) but is moved aside before the rebuild: until the first checkpoint after it
+                    # flushes the rebuilt queues and their new directories, a power loss could lose some of them
+                    # while the old one still vouched for the log below it (the next start scanned from it: lost).
+                    os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
+                    fsync_dir(self.store_dir)
             if rebuild:
                 self._rebuilding = rebuilding       # removed by the first checkpoint written after it
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
@@ -655,8 +672,12 @@ class MessageStore:
         for cq in self._cqs.values():
             if cq.unsynced:
                 dirs += cq.take_unsynced()
+        # The queues holding a unit, listed before the checkpoint vouches for their units (written only when the set
+        # changes: a queue's first unit, a topic deleted): the next start rebuilds one whose directory went.
+        listed = frozenset(key for key, cq in self._cqs.items() if cq.max_offset)
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding)
+            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding,
+                                  None if listed == self._listed else listed)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -664,7 +685,7 @@ class MessageStore:
             # and the msyncs each attempt makes grew for as long as it failed. Flushing more is harmless.
             self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
-        self._last_checkpoint, self._rebuilding = point, None
+        self._last_checkpoint, self._rebuilding, self._listed = point, None, listed
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":
@@ -1446,7 +1467,7 @@ def _coalesce(ranges) -> list:
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = (),
-                    rebuilt: str | None = None) -> None:
+                    rebuilt: str | None = None, queues: frozenset | None = None) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
@@ -1454,6 +1475,8 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
             fsync_dir(path)
         except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
             pass
+    if queues is not None:
+        write_queue_list(store_dir, queues)
     write_checkpoint(store_dir, point)
     if rebuilt is not None:     # the queues a whole-log rebuild made are flushed: the next start is a usual one
         with contextlib.suppress(FileNotFoundError):

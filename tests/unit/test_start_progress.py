@@ -272,3 +272,30 @@ async def test_records_sent_during_the_index_catch_up_are_indexed_a_slice_a_job(
         go.set()
         await svc.close()
         await store.close()
+
+
+@bounded(60)
+async def test_one_topics_removed_consume_queues_are_rebuilt_from_the_whole_log(tmp_path, caplog):
+    """One topic's directory under consumequeue/ removed (an operator's way to have its queues rebuilt, a restore
+    that missed it), its records all in segments below those a start verifies past the checkpoint: recovery
+    scanned from the checkpoint, found none of them and the topic came back empty (0 of 30 a queue), its groups'
+    offsets lowered to 0 and nothing said. Only a consumequeue/ with no queue at all was rebuilt."""
+    await _old_and_new(tmp_path)
+    shutil.rmtree(tmp_path / "consumequeue" / "OLD")
+
+    caplog.set_level(logging.WARNING, logger="txmq.store")
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    try:
+        assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
+        assert report.scanned_from == 0 and "OLD-0, OLD-1" in caplog.text
+    finally:
+        await store.close()
+    caplog.clear()
+    store = MessageStore(str(tmp_path), CFG)       # the next start is a usual one, from the checkpoint
+    report = await store.open()
+    try:
+        assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
+        assert report.scanned_from > 0 and not caplog.records
+    finally:
+        await store.close()
