@@ -89,6 +89,8 @@ def read_queue_list(store_dir: str) -> set[tuple[str, int]] | None:
         return {(topic, int(qid)) for topic, qid in (line.split(" ") for line in lines[1:])}
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise       # as for the checkpoint: the start stops with the path named (every checkpoint would fail)
     except (OSError, ValueError) as exc:
         log.warning("queue list %s is unreadable (%s): a queue directory removed since the last checkpoint is not "
                     "noticed at this start", path, exc)
