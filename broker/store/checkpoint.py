@@ -57,11 +57,11 @@ def read_checkpoint(store_dir: str, name: str = FILE_NAME) -> Checkpoint | None:
     return Checkpoint(flushed, ts)
 
 
-def write_checkpoint(store_dir: str, point: Checkpoint) -> None:
+def write_checkpoint(store_dir: str, point: Checkpoint, name: str = FILE_NAME) -> None:
     """Blocking (fsyncs): call it from the flush thread."""
     body = _BODY.pack(MAGIC, VERSION, point.flushed_offset, point.store_timestamp)
     raw = body + struct.pack(">II", zlib.crc32(body), 0)
-    path = os.path.join(store_dir, FILE_NAME)
+    path = os.path.join(store_dir, name)
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -277,11 +277,13 @@ class MessageStore:
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
             self._written_from = self.report.end_offset     # what this process writes (verified_record)
-            if (checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset
-                    and not rebuild):       # (a rebuild removed it: nothing stale to refuse the log again)
+            if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
-                # the log again for the same loss
-                write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
+                # the log again for the same loss. A rebuild's is checkpoint.rebuild, read again by a start
+                # that follows a crash before the rebuild's first checkpoint: left above the cut, that start
+                # and every later one were refused, "acknowledged messages are missing".
+                write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts),
+                                 REBUILD_FILE if rebuild else CHECKPOINT_FILE)
             self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
