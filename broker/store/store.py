@@ -655,7 +655,10 @@ class MessageStore:
         if self._backlogged:        # units below the flushed offset are not all in their queues yet
             return
         point = Checkpoint(self._log.flushed, self._log.flushed_ts)
-        if point == self._last_checkpoint:
+        # The queues holding a unit, listed before the checkpoint vouches for their units (written only when the set
+        # changes: a queue's first unit, a topic deleted, which may come with no new record)
+        listed = frozenset(key for key, cq in self._cqs.items() if cq.max_offset)
+        if point == self._last_checkpoint and listed == self._listed:
             return
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         # (with those a failed checkpoint took: their marks have moved on, and no later range covers them)
@@ -674,9 +677,6 @@ class MessageStore:
         for cq in self._cqs.values():
             if cq.unsynced:
                 dirs += cq.take_unsynced()
-        # The queues holding a unit, listed before the checkpoint vouches for their units (written only when the set
-        # changes: a queue's first unit, a topic deleted): the next start rebuilds one whose directory went.
-        listed = frozenset(key for key, cq in self._cqs.items() if cq.max_offset)
         try:
             await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding,
                                   None if listed == self._listed else listed)

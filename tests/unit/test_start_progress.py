@@ -331,3 +331,26 @@ async def test_a_rebuild_whose_log_was_cut_under_truncate_corrupt_tail_and_kille
         assert kept[:2] == [30, 30] and 0 < kept[2] < 100
     finally:
         await store.close()
+
+
+@bounded(60)
+async def test_a_deleted_topic_leaves_the_queue_list_though_no_record_came_after_it(tmp_path, caplog):
+    """The queue list is written with a checkpoint; one skipped because the log had not moved left a topic deleted
+    with no send after it listed, and once retention had spent its mark, a start took its queues for removed
+    directories and rebuilt every queue from the whole log (a slow start, a false WARNING)."""
+    await _old_and_new(tmp_path)
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    await store._checkpoint()       # the periodic one, at the log's end: nothing after it moves the log
+    await store.delete_topic("OLD")
+    await store.close()
+    assert "OLD" not in (tmp_path / "queues").read_text() and "NEW 0" in (tmp_path / "queues").read_text()
+    shutil.rmtree(tmp_path / "consumequeue" / "OLD")        # (its mark spent, as retention leaves it)
+
+    caplog.set_level(logging.WARNING, logger="txmq.store")
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    try:
+        assert report.scanned_from > 0 and not caplog.records
+    finally:
+        await store.close()
