@@ -73,7 +73,7 @@ def write_checkpoint(store_dir: str, point: Checkpoint, name: str = FILE_NAME) -
     fsync_dir(store_dir)
 
 
-QUEUES_FILE = "queues"      # the consume queues holding a unit, as of the checkpoint (one "topic queue-id" a line)
+QUEUES_FILE = "queues"      # every consume queue, as of the checkpoint (one "topic queue-id" a line)
 _QUEUES_HEAD = "txmq queues 1"
 
 

@@ -106,7 +106,9 @@ class MessageStore:
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
         self._rebuilding: str | None = None     # REBUILD_FILE while no checkpoint has followed the rebuild
-        self._listed: frozenset | None = None   # the queues the queue list on disk names (checkpoint.QUEUES_FILE)
+        # The queue list (checkpoint.QUEUES_FILE): every queue, written before a checkpoint once the set changed;
+        # a change bumps _queues_version (queues made or deleted), _listed_version is what the file on disk says.
+        self._queues_version, self._listed_version = 1, 0
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
@@ -193,10 +195,9 @@ class MessageStore:
             elif os.path.exists(rebuilding):        # ended: the checkpoint written, the crash before its removal
                 os.unlink(rebuilding)
             self._load_queues(None if checkpoint is None or rebuild else checkpoint.flushed_offset)
-            listed = read_queue_list(self.store_dir)
-            self._listed = None if listed is None else frozenset(listed)
-            missing = sorted(key for key in listed or () if key[0] not in self._deleted
-                             and not (key in self._cqs and self._cqs[key].max_offset))
+            # (a queue listed that was made by a start, its files all removed, is missing too)
+            missing = sorted(key for key in read_queue_list(self.store_dir) or ()
+                             if key[0] not in self._deleted and not (key in self._cqs and self._cqs[key].files))
             if not rebuild and checkpoint is not None:
                 if not self._cqs and not self._deleted and self._first_segment_start() < checkpoint.flushed_offset:
                     # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left
@@ -572,6 +573,7 @@ class MessageStore:
                 log.exception("new queue %s: a caller waiting for its file failed", key)
 
     def _new_queue(self, key: tuple[str, int]) -> None:
+        self._queues_version += 1       # the queue list is written again before the next checkpoint
         if self.on_new_queue is not None:
             try:
                 self.on_new_queue(*key)
@@ -655,11 +657,12 @@ class MessageStore:
         if self._backlogged:        # units below the flushed offset are not all in their queues yet
             return
         point = Checkpoint(self._log.flushed, self._log.flushed_ts)
-        # The queues holding a unit, listed before the checkpoint vouches for their units (written only when the set
-        # changes: a queue's first unit, a topic deleted, which may come with no new record)
-        listed = frozenset(key for key, cq in self._cqs.items() if cq.max_offset)
-        if point == self._last_checkpoint and listed == self._listed:
+        # Every queue, listed before the checkpoint vouches for their units: only once the set changed (a queue made,
+        # a topic deleted, which may come with no new record)
+        version = self._queues_version
+        if point == self._last_checkpoint and version == self._listed_version:
             return
+        listed = list(self._cqs) if version != self._listed_version else None
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         # (with those a failed checkpoint took: their marks have moved on, and no later range covers them)
         ranges, self._ranges_to_retry = self._ranges_to_retry, []
@@ -678,8 +681,7 @@ class MessageStore:
             if cq.unsynced:
                 dirs += cq.take_unsynced()
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding,
-                                  None if listed == self._listed else listed)
+            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding, listed)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -687,7 +689,7 @@ class MessageStore:
             # and the msyncs each attempt makes grew for as long as it failed. Flushing more is harmless.
             self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
-        self._last_checkpoint, self._rebuilding, self._listed = point, None, listed
+        self._last_checkpoint, self._rebuilding, self._listed_version = point, None, version
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":
@@ -1258,6 +1260,7 @@ class MessageStore:
                 forget()
             for key in keys:
                 cq = self._cqs.pop(key)
+                self._queues_version += 1
                 self.queue_index.discard(key)
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
@@ -1469,7 +1472,7 @@ def _coalesce(ranges) -> list:
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = (),
-                    rebuilt: str | None = None, queues: frozenset | None = None) -> None:
+                    rebuilt: str | None = None, queues: list | None = None) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
