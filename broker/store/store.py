@@ -195,36 +195,24 @@ class MessageStore:
             elif os.path.exists(rebuilding):        # ended: the checkpoint written, the crash before its removal
                 os.unlink(rebuilding)
             self._load_queues(None if checkpoint is None or rebuild else checkpoint.flushed_offset)
-            # (a queue listed that was made by a start, its files all removed, is missing too)
-            missing = sorted(key for key in read_queue_list(self.store_dir) or ()
-                             if key[0] not in self._deleted and not (key in self._cqs and self._cqs[key].files))
-            if not rebuild and checkpoint is not None:
-                if not self._cqs and not self._deleted and self._first_segment_start() < checkpoint.flushed_offset:
-                    # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left
-                    # holding no queue and no deleted topic's mark (its topics' directories emptied, a stray file):
-                    # scanned from the checkpoint, only queues with a record past it came back, every other message
-                    # unreachable
-                    log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset "
-                                "%d: every consume queue is rebuilt from the whole log (the checkpoint moved to %s "
-                                "until the rebuilt queues are flushed)", checkpoint.flushed_offset, REBUILD_FILE)
-                    rebuild = True
-                elif missing:
-                    # Some queues' directories removed (what our own errors advise for a damaged queue, a restore
-                    # that missed one) under a checkpoint that vouched for their units (the queue list names them):
-                    # scanned from it, a queue with no record past it came back empty, unsaid.
-                    log.warning("consume queues %s (%d in all, named by %s) are missing from consumequeue/: every "
-                                "consume queue is rebuilt from the whole log (the checkpoint moved to %s until the "
-                                "rebuilt queues are flushed)", ", ".join(f"{t}-{q}" for t, q in missing[:20]),
-                                len(missing), QUEUES_FILE, REBUILD_FILE)
-                    rebuild = True
-                if rebuild:
-                    # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
-                    # log ending there is refused, not cut; dispatch listeners replay only past it, as their own
-                    # files are there) but is moved aside before the rebuild: until the first checkpoint after it
-                    # flushes the rebuilt queues and their new directories, a power loss could lose some of them
-                    # while the old one still vouched for the log below it (the next start scanned from it: lost).
-                    os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
-                    fsync_dir(self.store_dir)
+            if (not rebuild and checkpoint is not None and not self._cqs and not self._deleted
+                    and self._first_segment_start() < checkpoint.flushed_offset):
+                # consumequeue/ removed (RocketMQ's way to have them rebuilt, or a restore without it), or left holding
+                # no queue and no deleted topic's mark (its topics' directories emptied, a stray file): scanned
+                # from the checkpoint, only queues with a record past it came back, every other message unreachable
+                log.warning("consumequeue/ holds no queue, but the checkpoint vouches for the log below offset %d: "
+                            "every consume queue is rebuilt from the whole log (the checkpoint moved to %s until "
+                            "the rebuilt queues are flushed)", checkpoint.flushed_offset, REBUILD_FILE)
+                # The scan covers every segment; the checkpoint still rules it (below it there is no torn tail: a
+                # log ending there is refused, not cut; dispatch listeners replay only past it, as their own files
+                # are there) but is moved aside before the rebuild: until the first checkpoint after it
+                # flushes the rebuilt queues and their new directories, a power loss could lose some of them while
+                # the old one still vouched for the log below it (the next start scanned from it: lost for good).
+                rebuild = True
+                os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
+                fsync_dir(self.store_dir)
+            elif not rebuild and checkpoint is not None:
+                self._mark_missing_queues()
             if rebuild:
                 self._rebuilding = rebuilding       # removed by the first checkpoint written after it
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
@@ -390,6 +378,26 @@ class MessageStore:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def _mark_missing_queues(self) -> None:
+        """Queues the queue list names whose directory is gone, or holds no file (what a start refused over a
+        damaged queue file advises; a restore that missed one), are marked for a rebuild from the whole log, as a
+        queue a read found damaged: scanned from the checkpoint, one with no record past it came back empty, its
+        messages unreachable, unsaid. (A deleted topic's queues are not missing: its mark says so.)"""
+        missing = sorted(key for key in read_queue_list(self.store_dir) or ()
+                         if key[0] not in self._deleted and not (key in self._cqs and self._cqs[key].files))
+        if not missing:
+            return
+        log.warning("consume queues %s (%d in all, named by %s) are missing from consumequeue/: rebuilt from the "
+                    "whole log", ", ".join(f"{t}-{q}" for t, q in missing[:20]), len(missing), QUEUES_FILE)
+        for key in missing:
+            cq = self._cqs.get(key) or self._make_queue(key)
+            made = make_dirs(cq.directory)
+            fsync_dirs(made)
+            # marked on disk (fsynced) before anything is rebuilt: a crash before the rebuilt units are flushed
+            # leaves the mark, and the next start rebuilds it again (recovery removes it once they are)
+            cq.mark_missing()
+            self._cqs[key] = cq
 
     def _first_segment_start(self) -> int:
         """The commit log's first segment's offset, from its files' names (before recovery loads them): the

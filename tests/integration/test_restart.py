@@ -162,6 +162,8 @@ async def test_a_queue_directory_removed_as_the_damage_error_advises_is_rebuilt_
     b2 = broker_factory(*SMALL_STORE)
     got, error = await _pull_all(b2, mq)
     assert error is None and [x for x in got if x != b"seed"] == bodies
+    metrics = urllib.request.urlopen(f"http://{b2.metrics}/metrics", timeout=5).read().decode()
+    assert "txmq_store_consume_queues_rebuilt_total 1.0" in metrics
     assert b2.stop() == 0
     log_text = (tmp_path / "store-broker.log").read_text(errors="replace")
     assert f"consume queues Zeroed-{mq.queue_id} (1 in all, named by queues) are missing" in log_text

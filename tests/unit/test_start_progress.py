@@ -288,7 +288,7 @@ async def test_one_topics_removed_consume_queues_are_rebuilt_from_the_whole_log(
     report = await store.open()
     try:
         assert [store.max_offset(t, q) for t in ("OLD", "NEW") for q in (0, 1)] == [30, 30, 100, 100]
-        assert report.scanned_from == 0 and "OLD-0, OLD-1" in caplog.text
+        assert report.queues_rebuilt == ["OLD-0", "OLD-1"] and "consume queues OLD-0, OLD-1 (2 in all" in caplog.text
     finally:
         await store.close()
     caplog.clear()
