@@ -391,9 +391,13 @@ class MessageStore:
         log.warning("consume queues %s (%d in all, named by %s) are missing from consumequeue/: rebuilt from the "
                     "whole log", ", ".join(f"{t}-{q}" for t, q in missing[:20]), len(missing), QUEUES_FILE)
         for key in missing:
-            cq = self._cqs.get(key) or self._make_queue(key)
-            made = make_dirs(cq.directory)
-            fsync_dirs(made)
+            cq = self._cqs[key] if key in self._cqs else self._make_queue(key)
+            try:
+                fsync_dirs(make_dirs(cq.directory))
+            except OSError as exc:      # (a full disk does not stop a start: left as it was, said)
+                log.error("consume queue %s-%d: its directory cannot be made again (%s): not rebuilt at this start",
+                          *key, exc)
+                continue
             # marked on disk (fsynced) before anything is rebuilt: a crash before the rebuilt units are flushed
             # leaves the mark, and the next start rebuilds it again (recovery removes it once they are)
             cq.mark_missing()
