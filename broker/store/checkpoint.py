@@ -77,16 +77,26 @@ QUEUES_FILE = "queues"      # every consume queue, as of the checkpoint (one "to
 _QUEUES_HEAD = "txmq queues 1"
 
 
-def read_queue_list(store_dir: str) -> set[tuple[str, int]] | None:
-    """The queues the last checkpoint vouched for; None when there is no list (a store older than it) or it is
-    damaged (said at WARNING: only a removed queue directory goes unnoticed then, as before)."""
+def read_queue_list(store_dir: str) -> tuple[set[tuple[str, int]], dict[str, int]] | None:
+    """The queues the last checkpoint vouched for, and the deleted topics' marks known when it was written ("topic -
+    below" lines); None when there is no list (a store older than it) or it is damaged (said at WARNING: only a
+    removed queue directory goes unnoticed then, as before)."""
     path = os.path.join(store_dir, QUEUES_FILE)
     try:
         with open(path, encoding="ascii") as f:
             lines = f.read().splitlines()
         if not lines or lines[0] != _QUEUES_HEAD:
             raise ValueError("no header")
-        return {(topic, int(qid)) for topic, qid in (line.split(" ") for line in lines[1:])}
+        queues: set[tuple[str, int]] = set()
+        marks: dict[str, int] = {}
+        for line in lines[1:]:
+            parts = line.split(" ")
+            if len(parts) == 3 and parts[1] == "-":
+                marks[parts[0]] = int(parts[2])
+            else:
+                topic, qid = parts
+                queues.add((topic, int(qid)))
+        return queues, marks
     except FileNotFoundError:
         return None
     except IsADirectoryError:
@@ -97,12 +107,15 @@ def read_queue_list(store_dir: str) -> set[tuple[str, int]] | None:
         return None
 
 
-def write_queue_list(store_dir: str, queues) -> None:
+def write_queue_list(store_dir: str, queues, marks: dict[str, int] | None = None) -> None:
     """Blocking (fsyncs), before the checkpoint that vouches for their units: a queue directory found missing at
-    the next start while this names it is rebuilt from the whole log, not taken for a queue with no message."""
+    the next start while this names it is rebuilt from the whole log, not taken for a queue with no message.
+    ``marks``: the deleted topics' marks, so that a start tells a topic made again after its delete (listed with
+    the mark: its queue is missing) from a delete the list does not know of yet (its queues went with it)."""
     path = os.path.join(store_dir, QUEUES_FILE)
     tmp = path + ".tmp"
-    text = "\n".join([_QUEUES_HEAD] + [f"{topic} {qid}" for topic, qid in sorted(queues)]) + "\n"
+    text = "\n".join([_QUEUES_HEAD] + [f"{topic} {qid}" for topic, qid in sorted(queues)]
+                     + [f"{topic} - {below}" for topic, below in sorted((marks or {}).items())]) + "\n"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, text.encode("ascii"))

@@ -383,9 +383,14 @@ class MessageStore:
         """Queues the queue list names whose directory is gone, or holds no file (what a start refused over a
         damaged queue file advises; a restore that missed one), are marked for a rebuild from the whole log, as a
         queue a read found damaged: scanned from the checkpoint, one with no record past it came back empty, its
-        messages unreachable, unsaid. (A deleted topic's queues are not missing: its mark says so.)"""
-        missing = sorted(key for key in read_queue_list(self.store_dir) or ()
-                         if key[0] not in self._deleted and not (key in self._cqs and self._cqs[key].files))
+        messages unreachable, unsaid. (A deleted topic's queues are not missing, unless the list was written
+        after its delete: the topic made again.)"""
+        queues, marks = read_queue_list(self.store_dir) or ((), {})
+        # A listed queue of a topic with a mark: gone with a delete the list does not know of (a kill before the
+        # checkpoint after it), or the topic made again after a delete it does (its mark listed, as high): missing.
+        missing = sorted(key for key in queues
+                         if (key[0] not in self._deleted or marks.get(key[0], -1) >= self._deleted[key[0]])
+                         and not (key in self._cqs and self._cqs[key].files))
         if not missing:
             return
         log.warning("consume queues %s (%d in all, named by %s) are missing from consumequeue/: rebuilt from the "
@@ -674,7 +679,7 @@ class MessageStore:
         version = self._queues_version
         if point == self._last_checkpoint and version == self._listed_version:
             return
-        listed = list(self._cqs) if version != self._listed_version else None
+        listed = (list(self._cqs), dict(self._deleted)) if version != self._listed_version else None
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         # (with those a failed checkpoint took: their marks have moved on, and no later range covers them)
         ranges, self._ranges_to_retry = self._ranges_to_retry, []
@@ -1288,6 +1293,7 @@ class MessageStore:
             why = await self._io.submit(_remove_queue_files, gone, directory, below)
             if why is None:     # removed once retention has removed every record below it (remove_segment)
                 self._deleted[topic] = below
+                self._queues_version += 1       # the list names the marks too (a topic made again after it)
             elif unmarked is not None:
                 unmarked(why)
 
@@ -1484,7 +1490,7 @@ def _coalesce(ranges) -> list:
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = (),
-                    rebuilt: str | None = None, queues: list | None = None) -> None:
+                    rebuilt: str | None = None, queues: tuple | None = None) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
@@ -1493,7 +1499,7 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
         except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
             pass
     if queues is not None:
-        write_queue_list(store_dir, queues)
+        write_queue_list(store_dir, *queues)
     write_checkpoint(store_dir, point)
     if rebuilt is not None:     # the queues a whole-log rebuild made are flushed: the next start is a usual one
         with contextlib.suppress(FileNotFoundError):
