@@ -57,15 +57,68 @@ def read_checkpoint(store_dir: str, name: str = FILE_NAME) -> Checkpoint | None:
     return Checkpoint(flushed, ts)
 
 
-def write_checkpoint(store_dir: str, point: Checkpoint) -> None:
+def write_checkpoint(store_dir: str, point: Checkpoint, name: str = FILE_NAME) -> None:
     """Blocking (fsyncs): call it from the flush thread."""
     body = _BODY.pack(MAGIC, VERSION, point.flushed_offset, point.store_timestamp)
     raw = body + struct.pack(">II", zlib.crc32(body), 0)
-    path = os.path.join(store_dir, FILE_NAME)
+    path = os.path.join(store_dir, name)
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, raw)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(store_dir)
+
+
+QUEUES_FILE = "queues"      # every consume queue, as of the checkpoint (one "topic queue-id" a line)
+_QUEUES_HEAD = "txmq queues 1"
+
+
+def read_queue_list(store_dir: str) -> tuple[set[tuple[str, int]], dict[str, int]] | None:
+    """The queues the last checkpoint vouched for, and the deleted topics' marks known when it was written ("topic -
+    below" lines); None when there is no list (a store older than it) or it is damaged (said at WARNING: only a
+    removed queue directory goes unnoticed then, as before)."""
+    path = os.path.join(store_dir, QUEUES_FILE)
+    try:
+        with open(path, encoding="ascii") as f:
+            lines = f.read().splitlines()
+        if not lines or lines[0] != _QUEUES_HEAD:
+            raise ValueError("no header")
+        queues: set[tuple[str, int]] = set()
+        marks: dict[str, int] = {}
+        for line in lines[1:]:
+            parts = line.split(" ")
+            if len(parts) == 3 and parts[1] == "-":
+                marks[parts[0]] = int(parts[2])
+            else:
+                topic, qid = parts
+                queues.add((topic, int(qid)))
+        return queues, marks
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise       # as for the checkpoint: the start stops with the path named (every checkpoint would fail)
+    except (OSError, ValueError) as exc:
+        log.warning("queue list %s is unreadable (%s): a queue directory removed since the last checkpoint is not "
+                    "noticed at this start", path, exc)
+        return None
+
+
+def write_queue_list(store_dir: str, queues, marks: dict[str, int] | None = None) -> None:
+    """Blocking (fsyncs), before the checkpoint that vouches for their units: a queue directory found missing at
+    the next start while this names it is rebuilt from the whole log, not taken for a queue with no message.
+    ``marks``: the deleted topics' marks, so that a start tells a topic made again after its delete (listed with
+    the mark: its queue is missing) from a delete the list does not know of yet (its queues went with it)."""
+    path = os.path.join(store_dir, QUEUES_FILE)
+    tmp = path + ".tmp"
+    text = "\n".join([_QUEUES_HEAD] + [f"{topic} {qid}" for topic, qid in sorted(queues)]
+                     + [f"{topic} - {below}" for topic, below in sorted((marks or {}).items())]) + "\n"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, text.encode("ascii"))
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -283,6 +283,13 @@ class ConsumeQueue:
                         self.topic, self.queue_id)
         return True
 
+    def mark_missing(self) -> None:
+        """Its directory was found missing or empty at start while the store's queue list names it: rebuilt by
+        this start's recovery from the whole log, the mark written first (see write_damage_mark)."""
+        self.damaged = "its directory was missing or held no file"
+        self._damage_where = self.damaged
+        self.write_damage_mark()
+
     def clear_damage_mark(self) -> None:
         """Recovery rebuilt the queue: the mark has served, once the rebuilt units are on disk. They are
         flushed here, before the unlink: an unlink reaches the disk with whatever journal commit comes next

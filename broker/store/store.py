@@ -27,7 +27,8 @@ from protocol.errors import CorruptRecordError, StoreError
 from protocol.message import MESSAGE_MAGIC, peek_record, validate_topic
 from protocol.record import MIN_RECORD_SIZE, body_crc_ok, record_intact, store_timestamp_at
 
-from .checkpoint import FILE_NAME as CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import (FILE_NAME as CHECKPOINT_FILE, QUEUES_FILE, Checkpoint, read_checkpoint, read_queue_list,
+                         write_checkpoint, write_queue_list)
 from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
@@ -105,6 +106,9 @@ class MessageStore:
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
         self._rebuilding: str | None = None     # REBUILD_FILE while no checkpoint has followed the rebuild
+        # The queue list (checkpoint.QUEUES_FILE): every queue, written before a checkpoint once the set changed;
+        # a change bumps _queues_version (queues made or deleted), _listed_version is what the file on disk says.
+        self._queues_version, self._listed_version = 1, 0
         self._lock_fd = -1
         self._state = "new"
         self.report: RecoveryReport | None = None
@@ -207,6 +211,8 @@ class MessageStore:
                 rebuild = True
                 os.replace(os.path.join(self.store_dir, CHECKPOINT_FILE), rebuilding)
                 fsync_dir(self.store_dir)
+            elif not rebuild and checkpoint is not None:
+                self._mark_missing_queues()
             if rebuild:
                 self._rebuilding = rebuilding       # removed by the first checkpoint written after it
             # A store no NUL-refusing broker opened yet holds an older one's records, which may hold a NUL:
@@ -260,11 +266,13 @@ class MessageStore:
                 write_nul_free_from(self.store_dir, nul_free_from)
             self._nul_free_from = nul_free_from
             self._written_from = self.report.end_offset     # what this process writes (verified_record)
-            if (checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset
-                    and not rebuild):       # (a rebuild removed it: nothing stale to refuse the log again)
+            if checkpoint is not None and self.report.end_offset < checkpoint.flushed_offset:
                 # truncate_corrupt_tail cut flushed data: the old checkpoint would have the next start refuse
-                # the log again for the same loss
-                write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts))
+                # the log again for the same loss. A rebuild's is checkpoint.rebuild, read again by a start
+                # that follows a crash before the rebuild's first checkpoint: left above the cut, that start
+                # and every later one were refused, "acknowledged messages are missing".
+                write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts),
+                                 REBUILD_FILE if rebuild else CHECKPOINT_FILE)
             self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
@@ -370,6 +378,35 @@ class MessageStore:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def _mark_missing_queues(self) -> None:
+        """Queues the queue list names whose directory is gone, or holds no file (what a start refused over a
+        damaged queue file advises; a restore that missed one), are marked for a rebuild from the whole log, as a
+        queue a read found damaged: scanned from the checkpoint, one with no record past it came back empty, its
+        messages unreachable, unsaid. (A deleted topic's queues are not missing, unless the list was written
+        after its delete: the topic made again.)"""
+        queues, marks = read_queue_list(self.store_dir) or ((), {})
+        # A listed queue of a topic with a mark: gone with a delete the list does not know of (a kill before the
+        # checkpoint after it), or the topic made again after a delete it does (its mark listed, as high): missing.
+        missing = sorted(key for key in queues
+                         if (key[0] not in self._deleted or marks.get(key[0], -1) >= self._deleted[key[0]])
+                         and not (key in self._cqs and self._cqs[key].files))
+        if not missing:
+            return
+        log.warning("consume queues %s (%d in all, named by %s) are missing from consumequeue/: rebuilt from the "
+                    "whole log", ", ".join(f"{t}-{q}" for t, q in missing[:20]), len(missing), QUEUES_FILE)
+        for key in missing:
+            cq = self._cqs[key] if key in self._cqs else self._make_queue(key)
+            try:
+                fsync_dirs(make_dirs(cq.directory))
+            except OSError as exc:      # (a full disk does not stop a start: left as it was, said)
+                log.error("consume queue %s-%d: its directory cannot be made again (%s): not rebuilt at this start",
+                          *key, exc)
+                continue
+            # marked on disk (fsynced) before anything is rebuilt: a crash before the rebuilt units are flushed
+            # leaves the mark, and the next start rebuilds it again (recovery removes it once they are)
+            cq.mark_missing()
+            self._cqs[key] = cq
 
     def _first_segment_start(self) -> int:
         """The commit log's first segment's offset, from its files' names (before recovery loads them): the
@@ -553,6 +590,7 @@ class MessageStore:
                 log.exception("new queue %s: a caller waiting for its file failed", key)
 
     def _new_queue(self, key: tuple[str, int]) -> None:
+        self._queues_version += 1       # the queue list is written again before the next checkpoint
         if self.on_new_queue is not None:
             try:
                 self.on_new_queue(*key)
@@ -636,8 +674,12 @@ class MessageStore:
         if self._backlogged:        # units below the flushed offset are not all in their queues yet
             return
         point = Checkpoint(self._log.flushed, self._log.flushed_ts)
-        if point == self._last_checkpoint:
+        # Every queue, listed before the checkpoint vouches for their units: only once the set changed (a queue made,
+        # a topic deleted, which may come with no new record)
+        version = self._queues_version
+        if point == self._last_checkpoint and version == self._listed_version:
             return
+        listed = (list(self._cqs), dict(self._deleted)) if version != self._listed_version else None
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         # (with those a failed checkpoint took: their marks have moved on, and no later range covers them)
         ranges, self._ranges_to_retry = self._ranges_to_retry, []
@@ -656,7 +698,7 @@ class MessageStore:
             if cq.unsynced:
                 dirs += cq.take_unsynced()
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding)
+            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding, listed)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -664,7 +706,7 @@ class MessageStore:
             # and the msyncs each attempt makes grew for as long as it failed. Flushing more is harmless.
             self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
-        self._last_checkpoint, self._rebuilding = point, None
+        self._last_checkpoint, self._rebuilding, self._listed_version = point, None, version
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":
@@ -1240,6 +1282,7 @@ class MessageStore:
                 forget()
             for key in keys:
                 cq = self._cqs.pop(key)
+                self._queues_version += 1
                 self.queue_index.discard(key)
                 self._backlogged.discard(cq)
                 self._log.qoffsets.pop(key, None)
@@ -1255,6 +1298,7 @@ class MessageStore:
             why = await self._io.submit(_remove_queue_files, gone, directory, below)
             if why is None:     # removed once retention has removed every record below it (remove_segment)
                 self._deleted[topic] = below
+                self._queues_version += 1       # the list names the marks too (a topic made again after it)
             elif unmarked is not None:
                 unmarked(why)
 
@@ -1451,7 +1495,7 @@ def _coalesce(ranges) -> list:
 
 
 def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] = (),
-                    rebuilt: str | None = None) -> None:
+                    rebuilt: str | None = None, queues: tuple | None = None) -> None:
     for mf, lo, hi in ranges:
         mf.flush(lo, hi)
     for path in dict.fromkeys(dirs):        # once each, parents first (the order they were made in)
@@ -1459,6 +1503,8 @@ def _checkpoint_job(ranges, store_dir: str, point: Checkpoint, dirs: list[str] =
             fsync_dir(path)
         except FileNotFoundError:           # its topic was deleted meanwhile: nothing there to keep
             pass
+    if queues is not None:
+        write_queue_list(store_dir, *queues)
     write_checkpoint(store_dir, point)
     if rebuilt is not None:     # the queues a whole-log rebuild made are flushed: the next start is a usual one
         with contextlib.suppress(FileNotFoundError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import urllib.request
 
 import pytest
@@ -136,3 +137,33 @@ async def test_units_zeroed_mid_way_through_an_old_queue_file_stop_pulls_until_a
     metrics = urllib.request.urlopen(f"http://{b3.metrics}/metrics", timeout=5).read().decode()
     assert "txmq_store_consume_queues_rebuilt_total 1.0" in metrics
     assert "txmq_store_consume_queues_damaged 0.0" in metrics
+
+
+async def test_a_queue_directory_removed_as_the_damage_error_advises_is_rebuilt_from_the_whole_log(
+        broker_factory, tmp_path):
+    """A consume queue's directory removed while the broker is stopped (what a start refused over a damaged queue
+    file advises: "delete ... to rebuild it from the commit log"), its records all in segments older than those a
+    start verifies past the checkpoint: the start scanned from the checkpoint, found none of them, and served the
+    queue as empty (0 of 1,200 messages, no error, no log line). The store's queue list names it now: rebuilt."""
+    b = broker_factory(*SMALL_STORE)
+    bodies = [f"m{i:04d}".encode() + b"." * 1000 for i in range(1200)]
+    async with Producer(b.namesrv, "PG_zeroed") as producer:
+        await producer.send("Zeroed", b"seed")
+        mq = (await producer.routes.publish_queues("Zeroed"))[0]
+        for k in range(0, len(bodies), 50):
+            await producer.send_batch("Zeroed", bodies[k:k + 50], queue=mq)
+        for k in range(0, 1200, 50):        # a newer topic fills the segments a start verifies
+            await producer.send_batch("Newer", [b"n" * 1000] * 50)
+    assert b.stop() == 0
+    store = tmp_path / "store"
+    assert len(os.listdir(store / "commitlog")) >= 9
+    shutil.rmtree(store / "consumequeue" / "Zeroed" / str(mq.queue_id))
+
+    b2 = broker_factory(*SMALL_STORE)
+    got, error = await _pull_all(b2, mq)
+    assert error is None and [x for x in got if x != b"seed"] == bodies
+    metrics = urllib.request.urlopen(f"http://{b2.metrics}/metrics", timeout=5).read().decode()
+    assert "txmq_store_consume_queues_rebuilt_total 1.0" in metrics
+    assert b2.stop() == 0
+    log_text = (tmp_path / "store-broker.log").read_text(errors="replace")
+    assert f"consume queues Zeroed-{mq.queue_id} (1 in all, named by queues) are missing" in log_text
