@@ -2,7 +2,7 @@
 
     python -m broker admin list [--group G] [--limit N] [--after Q] [--json]
     python -m broker admin commit OFFSET | rollback OFFSET | resume OFFSET
-    python -m broker admin apply-expiry PLAN.json
+    python -m broker admin apply-expiry PLAN.json [--slice N]
     python -m broker admin query-key TOPIC KEY | show-msg ID | consumer-progress GROUP
     python -m broker admin reset-offset GROUP TOPIC (--timestamp T | --queue Q --offset N)
     python -m broker admin topic-status TOPIC | broker-status
@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
@@ -53,6 +54,64 @@ async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
         return await admin_ops.run(args, lambda cmd: conn.request(cmd, timeout))
     finally:
         conn.close()
+
+
+PLAN_SLICE = 1000       # listed halves a request: ~1 to 3 ms each to dead-letter, well within the 10 s --timeout
+PROGRESS_S = 10.0       # a plan applied in many requests says how far it got at most this often
+
+
+def plan_parts(plan, halves_a_request: int = PLAN_SLICE) -> list:
+    """The requests an expiry plan is applied in: itself when it lists at most ``halves_a_request`` halves (or is
+    not a plan the broker would take: it says why), else its header with a slice of its halves each, in order,
+    and its segments alone last (the broker applies a plan's halves before its segments, as here).
+
+    Sent whole, a plan of 90,000 halves was a frame over the 16 MiB a broker reads (not sent: expired never), and
+    one of 15,000 outlasted the 10 s --timeout while the broker dead-lettered them one by one (exit 1, "no
+    response", the broker applying it all the same, its summary lost). Each part is judged on its own: a listed
+    half is dead-lettered once whatever part it is in, and the segments are judged after every half."""
+    halves = plan.get("halves") if isinstance(plan, dict) else None
+    if not isinstance(halves, list) or len(halves) <= halves_a_request:
+        return [plan]
+    header = {k: v for k, v in plan.items() if k not in ("halves", "segments", "report")}
+    parts = [{**header, "halves": halves[i:i + halves_a_request], "segments": []}
+             for i in range(0, len(halves), halves_a_request)]
+    return parts + [{**header, "halves": [], "segments": plan.get("segments") or []}]
+
+
+async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_request: int) -> tuple[dict, str | None]:
+    """Apply ``plan`` part by part on one connection; (the replies merged, why it stopped or None)."""
+    parts = plan_parts(plan, halves_a_request)
+    merged: dict = {"expired": [], "skipped": []}
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    said = time.monotonic()
+    try:
+        for n, part in enumerate(parts, 1):
+            cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
+            try:
+                resp = await conn.request(cmd, timeout)
+            except (BrokerError, OSError) as exc:
+                return merged, _stopped(n, parts, f"broker {addr}: {exc}")
+            if resp.code != ResponseCode.SUCCESS:
+                return merged, _stopped(n, parts, f"refused ({resp.code}): {resp.remark}")
+            reply = json.loads(resp.body_bytes())
+            for key in ("expired", "skipped"):
+                merged[key].extend(reply.pop(key))
+            merged.update(reply)
+            if len(parts) > 1 and (n == len(parts) or time.monotonic() - said >= PROGRESS_S):
+                said = time.monotonic()
+                print(f"applied {n} of {len(parts)} parts: {len(merged['expired'])} halves expired, "
+                      f"{len(merged['skipped'])} skipped", file=sys.stderr)
+    finally:
+        conn.close()
+    return merged, None
+
+
+def _stopped(n: int, parts: list, why: str) -> str:
+    if n == 1:
+        return why
+    return (f"{why}\nstopped at part {n} of {len(parts)}: parts 1 to {n - 1} were applied (their halves' summary "
+            "above) and this one may still be; applying the plan again is safe, what was done is skipped")
 
 
 def _table(rows: list[dict]) -> str:
@@ -85,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("offset", type=int)
     ap = sub.add_parser("apply-expiry", help="apply an expiry plan made by `python -m ops.spark expiry`")
     ap.add_argument("plan")
+    ap.add_argument("--slice", type=int, default=PLAN_SLICE, metavar="N",
+                    help="send the plan's halves N a request (default %(default)s), its segments last")
     admin_ops.add_parsers(sub)
     args = parser.parse_args(argv)
     credentials = None
@@ -115,12 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             with open(args.plan, "rb") as fh:
-                body = fh.read()
-            json.loads(body)
+                plan = json.load(fh)
         except (OSError, ValueError) as exc:
             print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
             return 2
-        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=body)
+        if args.slice < 1:
+            print(f"--slice {args.slice}: give 1 or more halves a request", file=sys.stderr)
+            return 2
+        try:
+            summary, stopped = asyncio.run(_apply_plan(args.broker, plan, args.timeout, credentials, args.slice))
+        except (BrokerError, OSError) as exc:        # (no connection)
+            print(f"broker {args.broker}: {exc}", file=sys.stderr)
+            return 1
+        if stopped is None or summary["expired"] or summary["skipped"]:
+            print(json.dumps(summary, indent=1))
+        if stopped is not None:
+            print(stopped, file=sys.stderr)
+            return 1
+        return 0
     try:
         resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:
@@ -142,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
             elif "next_after" not in data and data.get("more"):     # (a broker that answers no pages)
                 print(f"{data['more']} more not listed (the oldest {len(data['pending'])} are: "
                       f"--limit, at most {LISTED_MAX}, or --group to see others)")
-    elif args.action == "apply-expiry":
-        print(json.dumps(json.loads(resp.body_bytes()), indent=1))
     else:
         print(resp.remark or "done")
     return 0

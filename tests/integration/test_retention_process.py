@@ -63,11 +63,15 @@ async def _old_traffic(b) -> None:
     await consumer.shutdown()
 
 
+def _run_admin(b, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
 def _admin(b, plan: dict, tmp_path, name: str):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(plan))
-    out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "apply-expiry", str(path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = _run_admin(b, "apply-expiry", str(path))
     return out.returncode, (json.loads(out.stdout) if out.returncode == 0 else out.stderr.strip())
 
 
@@ -181,3 +185,45 @@ async def test_plans_judged_by_the_broker_on_a_store_written_80_hours_ago(broker
         "old_segments": len(old), "segments_before": len(before), "bad_plans_removed": {
             k: (v[1]["segments_removed"] if v[0] == 0 else f"refused: {v[1][:90]}") for k, v in results.items()},
         "good_plan_removed": good["segments_removed"], "fresh_messages_readable": len(fresh)}))
+
+
+async def test_a_plan_over_a_frame_is_applied_in_parts_its_halves_first(broker_factory, tmp_path):
+    """A plan listing 90,000 halves (a producer group that died with its transactions open, or a plan the halves of
+    which were decided since) is 17 MiB, over the 16 MiB frame a broker reads: sent whole, it was refused by the
+    admin's own connection ("not sent", exit 1) and nothing expired, night after night. Sent a slice of halves a
+    request, its segments last, the broker's half is dead-lettered, each stale one skipped, the segments removed."""
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    plan = _plan(store, now)
+    assert plan["segments"]
+    end = json.loads((store / "segments.json").read_text())["segments"][-1]["end"]
+    stale = [{"commit_log_offset": end + 1000 + i, "queue_offset": i, "producer_group": "PG_tx", "topic": "Paid",
+              "store_timestamp": now - 80 * H, "uniq_key": f"{i:032X}"} for i in range(90_000)]
+    plan["halves"] = stale[:45_000] + [{"commit_log_offset": half["commit_log_offset"]}] + stale[45_000:]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(plan, indent=1))
+    assert path.stat().st_size > 16 * 1024 * 1024
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 0, out.stderr[-500:]
+    reply = json.loads(out.stdout)
+    assert reply["expired"] == [half["commit_log_offset"]]
+    assert len(reply["skipped"]) == 90_000
+    assert {s["why"] for s in reply["skipped"]} == {"already decided or unknown"}
+    assert reply["segments_removed"] == [s["name"] for s in plan["segments"]] and reply["segments_kept"] == []
+    assert "applied 92 of 92 parts: 1 halves expired, 90000 skipped" in out.stderr
+    async with PullConsumer(b.namesrv, "CG_dead") as dl:
+        (mq,) = await dl.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
+        letters = (await dl.pull(mq, 0, max_nums=8)).messages
+    assert [(m.body, m.properties["TXMQ_REASON"]) for m in letters] == [(b"undecided-80h", "expired")]
+
+    again = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))     # a re-run: nothing twice
+    reply = json.loads(again.stdout)
+    assert again.returncode == 0 and reply["expired"] == [] and len(reply["skipped"]) == 90_001
+    assert reply["segments_removed"] == [] and reply["segments_gone"] == [s["name"] for s in plan["segments"]]
