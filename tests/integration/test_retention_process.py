@@ -227,3 +227,26 @@ async def test_a_plan_over_a_frame_is_applied_in_parts_its_halves_first(broker_f
     reply = json.loads(again.stdout)
     assert again.returncode == 0 and reply["expired"] == [] and len(reply["skipped"]) == 90_001
     assert reply["segments_removed"] == [] and reply["segments_gone"] == [s["name"] for s in plan["segments"]]
+
+
+async def test_a_plan_of_halves_with_long_keys_is_sent_in_parts_within_a_frame(broker_factory, tmp_path):
+    """Parts counted in halves alone were not bounded in bytes: a half's uniq_key (or group, or topic) is what its
+    producer put in the properties, up to 32,767 bytes, and a key not in ASCII is written six bytes a character in
+    the JSON sent. 1,200 halves with 6,000-character keys: 1,000 of them, one part, were 36 MB, "not sent", exit 1,
+    nothing applied, night after night."""
+    store = tmp_path / "store"
+    b = broker_factory(*FLAGS)
+    manifest = await _wait_manifest(store, lambda m: bool(m.get("store_id")))
+    now = int(time.time() * 1000)
+    halves = [{"commit_log_offset": 10**12 + i, "queue_offset": i, "producer_group": "PG_tx", "topic": "Paid",
+               "store_timestamp": now - 80 * H, "uniq_key": f"{i:06d}" + "é" * 6000} for i in range(1200)]
+    plan = {"version": 2, "store_id": manifest["store_id"], "created_ms": now, "now_ms": now, "retention_ms": 72 * H,
+            "halves": halves, "segments": []}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(plan, ensure_ascii=False))
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 0, out.stderr[-500:]
+    reply = json.loads(out.stdout)
+    assert reply["expired"] == [] and [s["commit_log_offset"] for s in reply["skipped"]] == [h["commit_log_offset"]
+                                                                                             for h in halves]
