@@ -250,3 +250,27 @@ async def test_a_plan_of_halves_with_long_keys_is_sent_in_parts_within_a_frame(b
     reply = json.loads(out.stdout)
     assert reply["expired"] == [] and [s["commit_log_offset"] for s in reply["skipped"]] == [h["commit_log_offset"]
                                                                                              for h in halves]
+
+
+async def test_a_plan_with_a_bad_entry_past_the_first_part_changes_nothing(broker_factory, tmp_path):
+    """The broker refuses a plan whole, nothing changed, when its halves are not all objects; sent in parts, only the
+    part holding the bad entry was refused: the halves of the parts before it were dead-lettered already (exit 1,
+    "parts 1 to 1 were applied"), a plan the broker calls malformed half applied."""
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    plan = _plan(store, now)
+    plan["halves"] = [{"commit_log_offset": half["commit_log_offset"]}] + [{"commit_log_offset": -i} for i in
+                                                                            range(1, 1001)] + ["not a half"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(plan))
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 2 and "halves must be a list of objects" in out.stderr, (out.returncode, out.stderr)
+    pending = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    assert [p["commit_log_offset"] for p in pending] == [half["commit_log_offset"]]
+    assert _segments(store) == sorted(s["name"] for s in json.loads((store / "segments.json").read_text())["segments"])
