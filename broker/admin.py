@@ -35,6 +35,7 @@ from protocol.signature import Credentials
 
 from . import admin_ops
 from .processors.transaction import LISTED_MAX
+from .retention import PlanRefused, check_plan_lists
 
 
 async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
@@ -205,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.slice < 1:
             print(f"--slice {args.slice}: give 1 or more halves a request", file=sys.stderr)
             return 2
+        if isinstance(plan, dict):
+            try:        # what the broker would refuse in one part only, the parts before it applied
+                check_plan_lists(plan)
+            except PlanRefused as exc:
+                print(f"plan {args.plan} not sent, nothing changed: {exc}", file=sys.stderr)
+                return 2
         try:
             summary, stopped = asyncio.run(_apply_plan(args.broker, plan, args.timeout, credentials, args.slice))
         except (BrokerError, OSError) as exc:        # (no connection)
