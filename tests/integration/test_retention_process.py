@@ -26,6 +26,7 @@ from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from tests.support.broker_process import REPO
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
+from tests.support.hung_writes import slow_flush_env
 
 pytestmark = pytest.mark.asyncio
 
@@ -274,3 +275,26 @@ async def test_a_plan_with_a_bad_entry_past_the_first_part_changes_nothing(broke
     pending = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
     assert [p["commit_log_offset"] for p in pending] == [half["commit_log_offset"]]
     assert _segments(store) == sorted(s["name"] for s in json.loads((store / "segments.json").read_text())["segments"])
+
+
+async def test_a_part_of_real_halves_on_a_slow_disk_is_waited_for(broker_factory, tmp_path):
+    """A part's halves are dead-lettered one after the other, each record flushed (flush = sync) before the next: on
+    a disk whose flush takes 12 ms, 1,000 real halves are 12 s, and the admin waited --timeout (10 s) a part
+    whatever it held: "no response", exit 1, while the broker went on to dead-letter them all."""
+    past = broker_factory(*FLAGS, env=PAST)
+    async with TransactionProducer(past.namesrv, "PG_tx", Undecided()) as tx:
+        for lo in range(0, 1000, 100):
+            await asyncio.gather(*(tx.send_in_transaction("Paid", b"undecided-80h") for _ in range(100)))
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS, env=slow_flush_env(12))
+    now = int(time.time() * 1000)
+    pending = json.loads(_run_admin(b, "list", "--json", "--limit", "2000").stdout)["pending"]
+    assert len(pending) == 1000
+    plan = _plan(tmp_path / "store", now)
+    plan["halves"], plan["segments"] = [{"commit_log_offset": p["commit_log_offset"]} for p in pending], []
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(plan))
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 0, out.stderr[-500:]
+    assert len(json.loads(out.stdout)["expired"]) == 1000

@@ -29,6 +29,13 @@ def hung_flush_env(fifo, repo=None) -> dict:
     return {"PYTHONPATH": os.pathsep.join((hook, str(repo or REPO))), "TXMQ_TEST_HUNG_FLUSH_FIFO": str(fifo)}
 
 
+def slow_flush_env(delay_ms: int, repo=None) -> dict:
+    """The ``env`` of a BrokerProcess whose every commit-log flush takes ``delay_ms`` more (a slow disk)."""
+    env = hung_flush_env("", repo)
+    env.pop("TXMQ_TEST_HUNG_FLUSH_FIFO")
+    return {**env, "TXMQ_TEST_FLUSH_DELAY_MS": str(delay_ms)}
+
+
 def unblock(fifo) -> None:
     """A reader lets a writer still blocked in open() go on."""
     with contextlib.suppress(OSError):

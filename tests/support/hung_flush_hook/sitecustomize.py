@@ -16,3 +16,17 @@ if _FIFO:
         _flush(ranges)
 
     writer._flush_ranges = _hung_while_the_fifo_exists
+
+_SLOW_MS = os.environ.get("TXMQ_TEST_FLUSH_DELAY_MS")
+if _SLOW_MS:                    # a slow disk: each commit-log flush takes this long more (an msync of a busy HDD)
+    import time
+
+    from broker.store import writer
+
+    _flush_slow = writer._flush_ranges
+
+    def _slow(ranges):
+        time.sleep(int(_SLOW_MS) / 1000)
+        _flush_slow(ranges)
+
+    writer._flush_ranges = _slow
