@@ -57,8 +57,10 @@ async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
         conn.close()
 
 
-PLAN_SLICE = 1000       # listed halves a request: ~1 to 3 ms each to dead-letter, well within the 10 s --timeout
+PLAN_SLICE = 1000       # listed halves a request: ~1 ms each to dead-letter, a flush each (more on a slow disk)
 PART_BYTES = 4 * 1024 * 1024     # and at most this much JSON a request: well within the 16 MiB frame a broker reads
+HALF_S = 0.025          # a part's answer is waited for --timeout and this a listed half: the broker dead-letters them
+                        # one by one, each flushed before the next (25 ms: a slow disk's flush, 1,000 halves 25 s)
 PROGRESS_S = 10.0       # a plan applied in many requests says how far it got at most this often
 
 
@@ -112,7 +114,7 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
         for n, part in enumerate(parts, 1):
             cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
             try:
-                resp = await conn.request(cmd, timeout)
+                resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
             except (BrokerError, OSError) as exc:
                 return merged, _stopped(n, parts, f"broker {addr}: {exc}")
             if resp.code != ResponseCode.SUCCESS:
@@ -128,6 +130,11 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     finally:
         conn.close()
     return merged, None
+
+
+def _listed(part) -> int:
+    halves = part.get("halves") if isinstance(part, dict) else None
+    return len(halves) if isinstance(halves, list) else 0
 
 
 def _stopped(n: int, parts: list, why: str) -> str:
