@@ -298,3 +298,29 @@ async def test_a_part_of_real_halves_on_a_slow_disk_is_waited_for(broker_factory
     out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
     assert out.returncode == 0, out.stderr[-500:]
     assert len(json.loads(out.stdout)["expired"]) == 1000
+
+
+async def test_a_plan_stopped_before_its_segments_part_claims_no_segment_judged(broker_factory, tmp_path):
+    """Stopped at its segments part (unanswered within --timeout, here 0 s: the broker still removing them), the
+    summary printed was the halves parts' replies merged, each saying "segments_removed": [], "segments_kept": []:
+    a plan whose segments were never judged, or were going as it was printed, read as one that removed none."""
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    plan = _plan(store, now)
+    assert plan["segments"]
+    plan["halves"] = [{"commit_log_offset": half["commit_log_offset"]}] + [{"commit_log_offset": -i} for i in
+                                                                            range(1, 1001)]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+
+    out = await asyncio.to_thread(_run_admin, b, "--timeout", "0", "apply-expiry", str(path))
+    assert out.returncode == 1 and "stopped at part 3 of 3" in out.stderr, out.stderr[-500:]
+    reply = json.loads(out.stdout)
+    assert reply["expired"] == [half["commit_log_offset"]] and len(reply["skipped"]) == 1000
+    assert not {"segments_removed", "segments_kept", "segments_gone"} & set(reply), reply.keys()
