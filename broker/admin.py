@@ -122,6 +122,9 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
             reply = json.loads(resp.body_bytes())
             for key in ("expired", "skipped"):
                 merged[key].extend(reply.pop(key))
+            if len(parts) > 1 and n < len(parts):   # (a halves part: its empty segment lists are not the plan's)
+                for key in ("segments_removed", "segments_kept", "segments_gone"):
+                    reply.pop(key, None)
             merged.update(reply)
             if len(parts) > 1 and (n == len(parts) or time.monotonic() - said >= PROGRESS_S):
                 said = time.monotonic()
