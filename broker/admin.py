@@ -2,7 +2,7 @@
 
     python -m broker admin list [--group G] [--limit N] [--after Q] [--json]
     python -m broker admin commit OFFSET | rollback OFFSET | resume OFFSET
-    python -m broker admin apply-expiry PLAN.json
+    python -m broker admin apply-expiry PLAN.json [--slice N]
     python -m broker admin query-key TOPIC KEY | show-msg ID | consumer-progress GROUP
     python -m broker admin reset-offset GROUP TOPIC (--timestamp T | --queue Q --offset N)
     python -m broker admin topic-status TOPIC | broker-status
@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
@@ -34,6 +35,7 @@ from protocol.signature import Credentials
 
 from . import admin_ops
 from .processors.transaction import LISTED_MAX
+from .retention import PlanRefused, check_plan_lists
 
 
 async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
@@ -53,6 +55,96 @@ async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
         return await admin_ops.run(args, lambda cmd: conn.request(cmd, timeout))
     finally:
         conn.close()
+
+
+PLAN_SLICE = 1000       # listed halves a request: ~1 ms each to dead-letter, a flush each (more on a slow disk)
+PART_BYTES = 4 * 1024 * 1024     # and at most this much JSON a request: well within the 16 MiB frame a broker reads
+HALF_S = 0.025          # a part's answer is waited for --timeout and this a listed half: the broker dead-letters them
+                        # one by one, each flushed before the next (25 ms: a slow disk's flush, 1,000 halves 25 s)
+PROGRESS_S = 10.0       # a plan applied in many requests says how far it got at most this often
+
+
+def plan_parts(plan, halves_a_request: int = PLAN_SLICE) -> list:
+    """The requests an expiry plan is applied in: itself when it lists at most ``halves_a_request`` halves (or is
+    not a plan the broker would take: it says why), else its header with a slice of its halves each, in order,
+    and its segments alone last (the broker applies a plan's halves before its segments, as here).
+
+    Sent whole, a plan of 90,000 halves was a frame over the 16 MiB a broker reads (not sent: expired never), and
+    one of 15,000 outlasted the 10 s --timeout while the broker dead-lettered them one by one (exit 1, "no
+    response", the broker applying it all the same, its summary lost). Each part is judged on its own: a listed
+    half is dead-lettered once whatever part it is in, and the segments are judged after every half."""
+    halves = plan.get("halves") if isinstance(plan, dict) else None
+    if not isinstance(halves, list) or (len(halves) <= halves_a_request
+                                        and len(json.dumps(plan).encode()) <= PART_BYTES):
+        return [plan]
+    header = {k: v for k, v in plan.items() if k not in ("halves", "segments", "report")}
+    # Bounded in bytes too: a half carries its producer's uniq_key, group and topic (up to 32,767 bytes of
+    # properties, six JSON bytes a character not in ASCII), so 1,000 of them were up to 196 MB, never sent.
+    room = PART_BYTES - len(json.dumps({**header, "halves": [], "segments": []}).encode())
+    parts = [{**header, "halves": s, "segments": []} for s in _slices(halves, halves_a_request, room)]
+    return parts + [{**header, "halves": [], "segments": plan.get("segments") or []}]
+
+
+def _slices(halves: list, count: int, room: int):
+    """``halves`` in order, ``count`` a slice, each slice's JSON within ``room`` bytes (a half over it alone).
+    A slice is measured whole (one encoding, ~0.5 s per 100,000 halves) and half by half only when it is over."""
+    for i in range(0, len(halves), count):
+        chunk = halves[i:i + count]
+        if len(json.dumps(chunk).encode()) <= room:
+            yield chunk
+            continue
+        start, size = 0, 2
+        for j, half in enumerate(chunk):
+            n = len(json.dumps(half).encode()) + 2          # (", " before it)
+            if j > start and size + n > room:
+                yield chunk[start:j]
+                start, size = j, 2
+            size += n
+        yield chunk[start:]
+
+
+async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_request: int) -> tuple[dict, str | None]:
+    """Apply ``plan`` part by part on one connection; (the replies merged, why it stopped or None)."""
+    parts = plan_parts(plan, halves_a_request)
+    merged: dict = {"expired": [], "skipped": []}
+    host, _, port = addr.rpartition(":")
+    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    said = time.monotonic()
+    try:
+        for n, part in enumerate(parts, 1):
+            cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
+            try:
+                resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
+            except (BrokerError, OSError) as exc:
+                return merged, _stopped(n, parts, f"broker {addr}: {exc}")
+            if resp.code != ResponseCode.SUCCESS:
+                return merged, _stopped(n, parts, f"refused ({resp.code}): {resp.remark}")
+            reply = json.loads(resp.body_bytes())
+            for key in ("expired", "skipped"):
+                merged[key].extend(reply.pop(key))
+            if len(parts) > 1 and n < len(parts):   # (a halves part: its empty segment lists are not the plan's)
+                for key in ("segments_removed", "segments_kept", "segments_gone"):
+                    reply.pop(key, None)
+            merged.update(reply)
+            if len(parts) > 1 and (n == len(parts) or time.monotonic() - said >= PROGRESS_S):
+                said = time.monotonic()
+                print(f"applied {n} of {len(parts)} parts: {len(merged['expired'])} halves expired, "
+                      f"{len(merged['skipped'])} skipped", file=sys.stderr)
+    finally:
+        conn.close()
+    return merged, None
+
+
+def _listed(part) -> int:
+    halves = part.get("halves") if isinstance(part, dict) else None
+    return len(halves) if isinstance(halves, list) else 0
+
+
+def _stopped(n: int, parts: list, why: str) -> str:
+    if n == 1:
+        return why
+    return (f"{why}\nstopped at part {n} of {len(parts)}: parts 1 to {n - 1} were applied (their halves' summary "
+            "above) and this one may still be; applying the plan again is safe, what was done is skipped")
 
 
 def _table(rows: list[dict]) -> str:
@@ -85,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("offset", type=int)
     ap = sub.add_parser("apply-expiry", help="apply an expiry plan made by `python -m ops.spark expiry`")
     ap.add_argument("plan")
+    ap.add_argument("--slice", type=int, default=PLAN_SLICE, metavar="N",
+                    help="send the plan's halves N a request (default %(default)s), its segments last")
     admin_ops.add_parsers(sub)
     args = parser.parse_args(argv)
     credentials = None
@@ -115,12 +209,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             with open(args.plan, "rb") as fh:
-                body = fh.read()
-            json.loads(body)
+                plan = json.load(fh)
         except (OSError, ValueError) as exc:
             print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
             return 2
-        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=body)
+        if args.slice < 1:
+            print(f"--slice {args.slice}: give 1 or more halves a request", file=sys.stderr)
+            return 2
+        if isinstance(plan, dict):
+            try:        # what the broker would refuse in one part only, the parts before it applied
+                check_plan_lists(plan)
+            except PlanRefused as exc:
+                print(f"plan {args.plan} not sent, nothing changed: {exc}", file=sys.stderr)
+                return 2
+        try:
+            summary, stopped = asyncio.run(_apply_plan(args.broker, plan, args.timeout, credentials, args.slice))
+        except (BrokerError, OSError) as exc:        # (no connection)
+            print(f"broker {args.broker}: {exc}", file=sys.stderr)
+            return 1
+        if stopped is None or summary["expired"] or summary["skipped"]:
+            print(json.dumps(summary, indent=1))
+        if stopped is not None:
+            print(stopped, file=sys.stderr)
+            return 1
+        return 0
     try:
         resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:
@@ -142,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
             elif "next_after" not in data and data.get("more"):     # (a broker that answers no pages)
                 print(f"{data['more']} more not listed (the oldest {len(data['pending'])} are: "
                       f"--limit, at most {LISTED_MAX}, or --group to see others)")
-    elif args.action == "apply-expiry":
-        print(json.dumps(json.loads(resp.body_bytes()), indent=1))
     else:
         print(resp.remark or "done")
     return 0

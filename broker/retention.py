@@ -71,6 +71,12 @@ def check_plan_header(plan, store_id: str, now: int, skew_ms: int) -> None:
     if plan_now > now + skew_ms:
         raise PlanRefused(f"the plan was made for {plan_now}, {plan_now - now} ms ahead of this broker's clock "
                           f"({now}; allowed skew {skew_ms} ms): a future plan would remove live data")
+    check_plan_lists(plan)
+
+
+def check_plan_lists(plan: dict) -> None:
+    """Raise PlanRefused unless the plan's segments and halves are lists of objects. (The admin asks it too before
+    it sends a plan in parts: the broker refuses one part, the parts before it were applied.)"""
     for key in ("segments", "halves"):
         items = plan.get(key) or []
         if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):

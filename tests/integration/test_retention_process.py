@@ -26,6 +26,7 @@ from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from tests.support.broker_process import REPO
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
+from tests.support.hung_writes import slow_flush_env
 
 pytestmark = pytest.mark.asyncio
 
@@ -63,11 +64,15 @@ async def _old_traffic(b) -> None:
     await consumer.shutdown()
 
 
+def _run_admin(b, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
 def _admin(b, plan: dict, tmp_path, name: str):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(plan))
-    out = subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, "apply-expiry", str(path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = _run_admin(b, "apply-expiry", str(path))
     return out.returncode, (json.loads(out.stdout) if out.returncode == 0 else out.stderr.strip())
 
 
@@ -181,3 +186,143 @@ async def test_plans_judged_by_the_broker_on_a_store_written_80_hours_ago(broker
         "old_segments": len(old), "segments_before": len(before), "bad_plans_removed": {
             k: (v[1]["segments_removed"] if v[0] == 0 else f"refused: {v[1][:90]}") for k, v in results.items()},
         "good_plan_removed": good["segments_removed"], "fresh_messages_readable": len(fresh)}))
+
+
+async def test_a_plan_over_a_frame_is_applied_in_parts_its_halves_first(broker_factory, tmp_path):
+    """A plan listing 90,000 halves (a producer group that died with its transactions open, or a plan the halves of
+    which were decided since) is 17 MiB, over the 16 MiB frame a broker reads: sent whole, it was refused by the
+    admin's own connection ("not sent", exit 1) and nothing expired, night after night. Sent a slice of halves a
+    request, its segments last, the broker's half is dead-lettered, each stale one skipped, the segments removed."""
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    plan = _plan(store, now)
+    assert plan["segments"]
+    end = json.loads((store / "segments.json").read_text())["segments"][-1]["end"]
+    stale = [{"commit_log_offset": end + 1000 + i, "queue_offset": i, "producer_group": "PG_tx", "topic": "Paid",
+              "store_timestamp": now - 80 * H, "uniq_key": f"{i:032X}"} for i in range(90_000)]
+    plan["halves"] = stale[:45_000] + [{"commit_log_offset": half["commit_log_offset"]}] + stale[45_000:]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(plan, indent=1))
+    assert path.stat().st_size > 16 * 1024 * 1024
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 0, out.stderr[-500:]
+    reply = json.loads(out.stdout)
+    assert reply["expired"] == [half["commit_log_offset"]]
+    assert len(reply["skipped"]) == 90_000
+    assert {s["why"] for s in reply["skipped"]} == {"already decided or unknown"}
+    assert reply["segments_removed"] == [s["name"] for s in plan["segments"]] and reply["segments_kept"] == []
+    assert "applied 92 of 92 parts: 1 halves expired, 90000 skipped" in out.stderr
+    async with PullConsumer(b.namesrv, "CG_dead") as dl:
+        (mq,) = await dl.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
+        letters = (await dl.pull(mq, 0, max_nums=8)).messages
+    assert [(m.body, m.properties["TXMQ_REASON"]) for m in letters] == [(b"undecided-80h", "expired")]
+
+    again = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))     # a re-run: nothing twice
+    reply = json.loads(again.stdout)
+    assert again.returncode == 0 and reply["expired"] == [] and len(reply["skipped"]) == 90_001
+    assert reply["segments_removed"] == [] and reply["segments_gone"] == [s["name"] for s in plan["segments"]]
+
+
+async def test_a_plan_of_halves_with_long_keys_is_sent_in_parts_within_a_frame(broker_factory, tmp_path):
+    """Parts counted in halves alone were not bounded in bytes: a half's uniq_key (or group, or topic) is what its
+    producer put in the properties, up to 32,767 bytes, and a key not in ASCII is written six bytes a character in
+    the JSON sent. 1,200 halves with 6,000-character keys: 1,000 of them, one part, were 36 MB, "not sent", exit 1,
+    nothing applied, night after night."""
+    store = tmp_path / "store"
+    b = broker_factory(*FLAGS)
+    manifest = await _wait_manifest(store, lambda m: bool(m.get("store_id")))
+    now = int(time.time() * 1000)
+    halves = [{"commit_log_offset": 10**12 + i, "queue_offset": i, "producer_group": "PG_tx", "topic": "Paid",
+               "store_timestamp": now - 80 * H, "uniq_key": f"{i:06d}" + "é" * 6000} for i in range(1200)]
+    plan = {"version": 2, "store_id": manifest["store_id"], "created_ms": now, "now_ms": now, "retention_ms": 72 * H,
+            "halves": halves, "segments": []}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(plan, ensure_ascii=False))
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 0, out.stderr[-500:]
+    reply = json.loads(out.stdout)
+    assert reply["expired"] == [] and [s["commit_log_offset"] for s in reply["skipped"]] == [h["commit_log_offset"]
+                                                                                             for h in halves]
+
+
+async def test_a_plan_with_a_bad_entry_past_the_first_part_changes_nothing(broker_factory, tmp_path):
+    """The broker refuses a plan whole, nothing changed, when its halves are not all objects; sent in parts, only the
+    part holding the bad entry was refused: the halves of the parts before it were dead-lettered already (exit 1,
+    "parts 1 to 1 were applied"), a plan the broker calls malformed half applied."""
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    plan = _plan(store, now)
+    plan["halves"] = [{"commit_log_offset": half["commit_log_offset"]}] + [{"commit_log_offset": -i} for i in
+                                                                            range(1, 1001)] + ["not a half"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(plan))
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 2 and "halves must be a list of objects" in out.stderr, (out.returncode, out.stderr)
+    pending = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    assert [p["commit_log_offset"] for p in pending] == [half["commit_log_offset"]]
+    assert _segments(store) == sorted(s["name"] for s in json.loads((store / "segments.json").read_text())["segments"])
+
+
+async def test_a_part_of_real_halves_on_a_slow_disk_is_waited_for(broker_factory, tmp_path):
+    """A part's halves are dead-lettered one after the other, each record flushed (flush = sync) before the next: on
+    a disk whose flush takes 12 ms, 1,000 real halves are 12 s, and the admin waited --timeout (10 s) a part
+    whatever it held: "no response", exit 1, while the broker went on to dead-letter them all."""
+    past = broker_factory(*FLAGS, env=PAST)
+    async with TransactionProducer(past.namesrv, "PG_tx", Undecided()) as tx:
+        for lo in range(0, 1000, 100):
+            await asyncio.gather(*(tx.send_in_transaction("Paid", b"undecided-80h") for _ in range(100)))
+    assert past.stop() == 0
+    (flag := tmp_path / "slow").touch()
+    b = broker_factory(*FLAGS, env=slow_flush_env(flag, 0.012))
+    now = int(time.time() * 1000)
+    pending = json.loads(_run_admin(b, "list", "--json", "--limit", "2000").stdout)["pending"]
+    assert len(pending) == 1000
+    plan = _plan(tmp_path / "store", now)
+    plan["halves"], plan["segments"] = [{"commit_log_offset": p["commit_log_offset"]} for p in pending], []
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(plan))
+
+    out = await asyncio.to_thread(_run_admin, b, "apply-expiry", str(path))
+    assert out.returncode == 0, out.stderr[-500:]
+    assert len(json.loads(out.stdout)["expired"]) == 1000
+
+
+async def test_a_plan_stopped_before_its_segments_part_claims_no_segment_judged(broker_factory, tmp_path):
+    """Stopped at its segments part (unanswered within --timeout, here 0 s: the broker still removing them), the
+    summary printed was the halves parts' replies merged, each saying "segments_removed": [], "segments_kept": []:
+    a plan whose segments were never judged, or were going as it was printed, read as one that removed none."""
+    store = tmp_path / "store"
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    plan = _plan(store, now)
+    assert plan["segments"]
+    plan["halves"] = [{"commit_log_offset": half["commit_log_offset"]}] + [{"commit_log_offset": -i} for i in
+                                                                            range(1, 1000)]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+
+    # (two parts of 500 halves, each waited for 12.5 s: only the segments part has --timeout alone)
+    out = await asyncio.to_thread(_run_admin, b, "--timeout", "0", "apply-expiry", str(path), "--slice", "500")
+    assert out.returncode == 1 and "stopped at part 3 of 3" in out.stderr, out.stderr[-500:]
+    reply = json.loads(out.stdout)
+    assert reply["expired"] == [half["commit_log_offset"]] and len(reply["skipped"]) == 999
+    assert not {"segments_removed", "segments_kept", "segments_gone"} & set(reply), reply.keys()

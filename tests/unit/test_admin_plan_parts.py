@@ -1,0 +1,39 @@
+"""`admin apply-expiry` sends a plan of many halves in parts: a slice of its halves a request, each with the plan's
+header, then its segments alone (the broker judges a plan's halves before its segments)."""
+from __future__ import annotations
+
+import json
+
+from broker.admin import PART_BYTES, plan_parts
+
+HEADER = {"version": 2, "store_id": "s", "created_ms": 1, "retention_ms": 2, "now_ms": 3}
+
+
+def _plan(n_halves: int) -> dict:
+    return {**HEADER, "halves": [{"commit_log_offset": i} for i in range(n_halves)],
+            "segments": [{"name": "0" * 20}], "report": {"segments": 1}}
+
+
+def test_a_plan_within_a_slice_is_sent_as_it_is():
+    plan = _plan(3)
+    assert plan_parts(plan, 3) == [plan]
+    assert plan_parts([1, 2], 1) == [[1, 2]] and plan_parts({"halves": "x"}, 1) == [{"halves": "x"}]
+
+
+def test_a_plan_over_a_slice_is_its_halves_in_order_then_its_segments():
+    parts = plan_parts(_plan(5), 2)
+    assert [[h["commit_log_offset"] for h in p["halves"]] for p in parts] == [[0, 1], [2, 3], [4], []]
+    assert [p["segments"] for p in parts] == [[], [], [], [{"name": "0" * 20}]]
+    assert all({k: p[k] for k in HEADER} == HEADER and "report" not in p for p in parts)
+
+
+def test_a_part_is_bounded_in_bytes_whatever_its_halves_carry():
+    """A half's uniq_key is what its producer put in its properties (up to 32,767 bytes, six JSON bytes a character
+    not in ASCII): 1,000 of them were a part over the 16 MiB frame a broker reads, never sent."""
+    plan = {**HEADER, "halves": [{"commit_log_offset": i, "uniq_key": "é" * 6000} for i in range(1200)],
+            "segments": [{"name": "0" * 20}]}
+    parts = plan_parts(plan)
+    assert all(len(json.dumps(p).encode()) <= PART_BYTES for p in parts)
+    assert [h for p in parts for h in p["halves"]] == plan["halves"] and parts[-1]["segments"] == plan["segments"]
+    small = _plan(2500)         # halves of a few bytes: a thousand a part, as before
+    assert [len(p["halves"]) for p in plan_parts(small)] == [1000, 1000, 500, 0]
