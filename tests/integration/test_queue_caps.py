@@ -450,15 +450,11 @@ async def test_a_retry_topic_grown_to_its_groups_retry_queue_nums_stays_within_m
         assert beat.code == C.SUCCESS, beat.remark
         assert await _retry_write_queues(client, group) == 1
         assert (await _update_topic(client, "Wide", 16)).code == C.SUCCESS          # 17 of its 20
-        [saved] = await client.call(RemotingCommand(
-            R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
-            body=json.dumps({"groupName": group, "retryQueueNums": 8}).encode()), 10)
+        saved = await _set_group(client, group, retryQueueNums=8)
         assert saved.code == C.SUCCESS, saved.remark                                # the config is kept
         assert await _retry_write_queues(client, group) == 1                        # 8 would be 24 of 20
         assert _refusals(broker, "queue-host-limit") == 1
-        [saved] = await client.call(RemotingCommand(
-            R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
-            body=json.dumps({"groupName": group, "retryQueueNums": 4}).encode()), 10)
+        saved = await _set_group(client, group, retryQueueNums=4)
         assert saved.code == C.SUCCESS, saved.remark
         assert await _retry_write_queues(client, group) == 4                        # 20 of 20: room for it
     finally:
@@ -474,10 +470,16 @@ async def _consumer_heartbeat(client: RawClient, group: str) -> None:
     assert beat.code == C.SUCCESS, beat.remark
 
 
-async def _retry_queue_nums(client: RawClient, group: str, queues: int) -> None:
+async def _set_group(client: RawClient, group: str, **values) -> RemotingCommand:
+    """UPDATE_AND_CREATE_SUBSCRIPTIONGROUP of ``group`` with ``values``: the reply."""
     [saved] = await client.call(RemotingCommand(
         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
-        body=json.dumps({"groupName": group, "retryQueueNums": queues}).encode()), 10)
+        body=json.dumps({"groupName": group, **values}).encode()), 10)
+    return saved
+
+
+async def _retry_queue_nums(client: RawClient, group: str, queues: int) -> None:
+    saved = await _set_group(client, group, retryQueueNums=queues)
     assert saved.code == C.SUCCESS, saved.remark
 
 
@@ -686,3 +688,40 @@ async def test_a_cap_that_binds_only_once_the_ha_listener_joins_is_said_at_start
         assert "32 connections at once, all listeners together" in b.log(), b.log()[-3000:]
     finally:
         b.kill()
+
+
+async def _stored_groups(client: RawClient) -> dict:
+    [reply] = await client.call(RemotingCommand(R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG, opaque=next(_OPAQUES)), 10)
+    return json.loads(reply.body_bytes())["subscriptionGroupTable"]
+
+
+@bounded(60)
+async def test_past_max_subscription_groups_a_new_group_is_refused_and_a_stored_one_still_updated(broker_factory):
+    """A client looping UPDATE_AND_CREATE_SUBSCRIPTIONGROUP with made-up names grew subscriptionGroup.json and the
+    broker without bound (each update rewrites the whole file): past max_subscription_groups a new group is refused
+    NO_PERMISSION naming the limit, nothing stored, counted; a stored group is updated as ever, and a deleted one
+    gives its room back."""
+    broker = broker_factory("--max-subscription-groups", "3")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        for i in range(3):
+            assert (await _set_group(client, f"CG_cap_{i}")).code == C.SUCCESS
+        saved_file = broker.store_dir / "config" / "subscriptionGroup.json"
+        on_disk = saved_file.read_bytes()
+        for i in range(3, 13):
+            refused = await _set_group(client, f"CG_cap_{i}")
+            assert refused.code == C.NO_PERMISSION, refused.remark
+            assert "max_subscription_groups=3" in refused.remark, refused.remark
+        assert _refusals(broker, "subscription-group-limit") == 10
+        assert "CG_cap_3" not in await _stored_groups(client)
+        assert saved_file.read_bytes() == on_disk                                   # nothing written for them
+        updated = await _set_group(client, "CG_cap_1", retryMaxTimes=5)             # a stored one: as ever
+        assert updated.code == C.SUCCESS, updated.remark
+        assert (await _stored_groups(client))["CG_cap_1"]["retryMaxTimes"] == 5
+        [deleted] = await client.call(RemotingCommand(R.DELETE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+                                                      ext_fields={"groupName": "CG_cap_0"}), 10)
+        assert deleted.code == C.SUCCESS, deleted.remark
+        assert (await _set_group(client, "CG_cap_3")).code == C.SUCCESS            # its room given back
+        assert {"CG_cap_1", "CG_cap_2", "CG_cap_3"} <= set(json.loads(saved_file.read_bytes())["subscriptionGroupTable"])
+    finally:
+        client.close()
