@@ -759,3 +759,32 @@ async def test_updates_pipelined_at_many_groups_share_their_saves(broker_factory
         assert saved["subscriptionGroupTable"]["CG_many_000001"]["retryMaxTimes"] == 100 % 16
     finally:
         client.close()
+
+
+@bounded(90)
+async def test_group_updates_answered_success_while_their_saves_merge_survive_a_kill(broker_factory, tmp_path):
+    """Saves asked for while one runs share the next: each update pipelined is answered SUCCESS only once a write
+    holding it is on disk, so a kill -9 right after the last answer loses none of them."""
+    (tmp_path / "store" / "config").mkdir(parents=True)
+    preloaded = SubscriptionGroups(str(tmp_path / "store" / "config"), lambda: 0)
+    preloaded.groups = {f"CG_base_{i:05d}": group_config(f"CG_base_{i:05d}") for i in range(3000)}
+    preloaded.write(preloaded.encode())        # (a table whose save takes a while, so that saves overlap)
+    broker = broker_factory()
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        updates = [RemotingCommand(R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES), body=json.dumps(
+            {"groupName": f"CG_kill_{i}", "retryMaxTimes": i % 16}).encode()) for i in range(60)]
+        client.write(b"".join(cmd.encode() for cmd in updates))
+        for cmd in updates:
+            [reply] = await client.reply(cmd.opaque, 60)
+            assert reply.code == C.SUCCESS, reply.remark
+    finally:
+        client.close()
+    broker.kill()
+    again = broker_factory()
+    client = await RawClient.open(again.broker, "127.0.0.1")
+    try:
+        stored = await _stored_groups(client)
+        assert all(stored[f"CG_kill_{i}"]["retryMaxTimes"] == i % 16 for i in range(60))
+    finally:
+        client.close()
