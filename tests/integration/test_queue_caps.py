@@ -728,6 +728,27 @@ async def test_past_max_subscription_groups_a_new_group_is_refused_and_a_stored_
         client.close()
 
 
+
+@bounded(60)
+async def test_past_max_subscription_groups_a_name_no_group_may_have_is_refused_as_below_it(broker_factory):
+    """The cap was checked before the name: past it, a name with a lone surrogate was put in the NO_PERMISSION
+    remark, which could not be encoded (the reply SYSTEM_ERROR "UnicodeEncodeError", an ERROR traceback logged for
+    every such request, no gate), and an empty one was refused as a new group; both counted as the cap's refusals.
+    Past the cap as below it, a name no group may have is SYSTEM_ERROR "not usable", not counted, nothing logged
+    as a failure."""
+    broker = broker_factory("--max-subscription-groups", "1")
+    client = await RawClient.open(broker.broker, "127.0.0.1")
+    try:
+        assert (await _set_group(client, "CG_one")).code == C.SUCCESS
+        for body in (b'{"groupName": "\\ud800x"}', b'{"groupName": ""}'):
+            [reply] = await client.call(RemotingCommand(R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, opaque=next(_OPAQUES),
+                                                        body=body), 10)
+            assert reply.code == C.SYSTEM_ERROR and "not usable" in reply.remark, (body, reply.code, reply.remark)
+        assert _refusals(broker, "subscription-group-limit") == 0
+        assert "Traceback" not in broker.log(), broker.log()[-3000:]
+    finally:
+        client.close()
+
 def _peak_rss_mb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))
