@@ -61,6 +61,7 @@ class BrokerConfig:
     max_auto_create_topics_per_s: float = setting(10.0, "Topics one client (remote address) may auto-create per second (a token bucket, burst the same); past it the send gets SYSTEM_BUSY. Stops one client flooding the catalogue.")
     max_writer_queued_bytes: int = setting(64 * 1024 * 1024, "Send bytes waiting for the store writer; past it sends get SYSTEM_BUSY with RocketMQ's [TIMEOUT_CLEAN_QUEUE] remark, so stock clients back off instead of growing the queue.")
     max_undecided_per_group: int = setting(100000, "Undecided transactions one producer group may hold; past it new half messages get SYSTEM_BUSY. Bounds the pending index one group can grow.")
+    max_subscription_groups: int = setting(50000, "Subscription groups (UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, mqadmin updateSubGroup) the broker stores at most. Past it a new group is refused NO_PERMISSION naming this limit, nothing stored (a group stored already is updated as ever; DELETE_SUBSCRIPTIONGROUP gives the room back), counted in txmq_requests_refused_total{reason=\"subscription-group-limit\"}, logged at most every 10 s. RocketMQ has no such cap, but every update rewrites the whole subscriptionGroup.json: a client looping made-up group names grew the file and the broker's memory without bound, each update slower than the last (430 bytes a group; 270 ms an update at 6,400 groups). A slave's copy of its master's groups is not capped.")
     max_retry_groups: int = setting(1024, "%RETRY% topics (consumer groups that may retry) the broker creates at most. At it, the empty retry topics of groups with no consumer connected and no config of their own are forgotten (at most one sweep a second; a group makes its topic again with its next heartbeat); if none is, a new group's retry topic is refused.")
     # ---- security
     acl_file: str = setting("", "RocketMQ plain_acl.yml: requests must be signed by an account (AclClientRPCHook) and permitted; reloaded when it changes. Empty: no access control (say so loudly when bound beyond loopback).")
@@ -143,7 +144,7 @@ class BrokerConfig:
                      "max_connections_per_host",
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_topics_per_host", "max_offsets_per_host", "max_offsets", "max_queues_per_host", "max_writer_queued_bytes", "max_write_buffer",
-                     "max_total_write_buffer", "max_total_read_buffer", "max_undecided_per_group", "max_retry_groups",
+                     "max_total_write_buffer", "max_total_read_buffer", "max_undecided_per_group", "max_retry_groups", "max_subscription_groups",
                      "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
                      "max_queue_locks_per_host", "max_groups_per_host", "max_parked_pulls_per_host",
                      "max_subscription_bytes_per_group"):

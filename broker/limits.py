@@ -13,6 +13,7 @@ import logging
 import time
 
 from protocol.codes import ResponseCode
+from protocol.message import validate_group
 
 log = logging.getLogger("txmq.limits")
 
@@ -156,6 +157,21 @@ class Limits:
                 return cmd.response(ResponseCode.NO_PERMISSION, why)
         why = self.queue_room(topics, topic, queues, peer_host(conn) if per_host else None)
         return None if why is None else cmd.response(ResponseCode.NO_PERMISSION, why)
+
+    def may_add_group(self, conn, cmd, subscriptions, group):
+        """None, or the response refusing to store ``group``, a subscription group not stored yet, past
+        max_subscription_groups: every update rewrites the whole file, and a loop of made-up names grew it, and the
+        broker, without bound. (A group stored already is updated as ever; a name no group may have -- not a
+        string, empty, too long, not UTF-8 -- is refused later, as below the cap: one with a lone surrogate put in
+        this remark made the reply unencodable, a traceback logged at each.)"""
+        held, cap = len(subscriptions.groups), self.config.max_subscription_groups
+        if held < cap or not isinstance(group, str) or not group or group in subscriptions.groups \
+                or validate_group(group) is not None:
+            return None
+        why = (f"subscription group {group[:200]} not created: the broker stores {held} subscription groups, its "
+               f"limit (max_subscription_groups={cap}); delete some first")
+        self.refused("subscription-group-limit", f"{why} (asked by {peer_host(conn)})")
+        return cmd.response(ResponseCode.NO_PERMISSION, why)
 
     def queue_room(self, topics, topic: str, queues: int, host: str | None, verb: str = "created", *,
                    count: bool = True) -> str | None:

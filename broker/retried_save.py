@@ -28,11 +28,24 @@ class RetriedSave:
     _writes = 0                             # writes on a thread not ended
     write_hung = False                      # one of them has run past write_wait_s (txmq_config_write_hung)
 
+    _saving: asyncio.Lock | None = None     # one save at a time (save)
+
     async def save(self) -> None:
         """Write the table, off the loop; OSError when it cannot be, or has not been in ``write_wait_s`` (logged
-        once per failure run, then retried)."""
+        once per failure run, then retried).
+
+        One save at a time, and none when a save that began after the caller's change has written it: each
+        encoded and held its own copy of the whole table, so updates sent back to back (a client pipelining
+        them, 256 a connection) were as many copies at once: 100 of one group at 20,000 groups took the broker
+        from 50 MB to 787 MB (562 MB kept), 45 s before the last answer."""
+        changed = self.counter
+        if self._saving is None:
+            self._saving = asyncio.Lock()
         try:
-            await self._write_within()
+            async with self._saving:
+                if self._saved_counter >= changed:
+                    return          # written by the save that ran meanwhile, begun after the change
+                await self._write_within()
         except OSError as exc:
             if self._retry is None:         # once per failure run: each retry would say the same
                 self._log.error("%s %s not written, retrying every %g s (%s if the broker stops before it is): %s",

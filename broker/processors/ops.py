@@ -316,6 +316,9 @@ async def update_and_create_subscription_group(ctx, conn, cmd):
         values = json.loads(cmd.body_bytes() or b"null")
         if not isinstance(values, dict):
             raise ValueError("not a JSON object")
+        refused = ctx.limits.may_add_group(conn, cmd, ctx.subscriptions, values.get("groupName"))
+        if refused is not None:
+            return refused
         cfg = ctx.subscriptions.update(values)
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"subscription group config body is not usable: {exc}")

@@ -173,6 +173,7 @@ def _set_group(disk):
                                   body=json.dumps({"groupName": "CG", "consumeEnable": False}).encode())
     saved = lambda: not SubscriptionGroups(str(disk / "config"), clock=lambda: 1).consume_enabled("CG")  # noqa: E731
     return subs, types.SimpleNamespace(subscriptions=subs, topics=types.SimpleNamespace(topics={}), acl=None,
+                                       limits=types.SimpleNamespace(may_add_group=lambda *_: None),
                                        config=types.SimpleNamespace(broker_role="ASYNC_MASTER")), \
         update_and_create_subscription_group, cmd, saved, logging.getLogger("txmq.subscriptions")
 
