@@ -10,7 +10,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..limits import EveryKey, peer_host
 from ..slices import in_slices
-from ..store.offsets import REST_FACTOR
+from ..store.offsets import ADMIN_REST_MAX_S, REST_FACTOR
 from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
@@ -65,7 +65,16 @@ def update_consumer_offset(ctx, conn, cmd):
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
         moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
+        first = moved_from is None and not cmd.is_oneway and not ctx.offsets.has(group, topic, qid)
         ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
+        if first:
+            # A consumer's first offset of the queue: our push consumer's start (consume_from="last" stores the
+            # queue's end before its first pull), a pull consumer's first commit. Answered from memory, a kill -9
+            # before the next periodic save left the group with no offset, and the successor of a consumer gone
+            # too was told none again and started at the end of ITS moment: everything sent since the first one
+            # began and not consumed by it, passed over. Once a queue and group, so on disk before SUCCESS.
+            return offsets_saved(ctx, cmd, f"first offset {offset} of group {group} on {topic} queue {qid} stored",
+                                 cmd.response(ResponseCode.SUCCESS), paced=True, max_rest=ADMIN_REST_MAX_S)
         if moved_from is not None:
             # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
             # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
