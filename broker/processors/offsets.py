@@ -74,7 +74,8 @@ def update_consumer_offset(ctx, conn, cmd):
             # too was told none again and started at the end of ITS moment: everything sent since the first one
             # began and not consumed by it, passed over. Once a queue and group, so on disk before SUCCESS.
             return offsets_saved(ctx, cmd, f"first offset {offset} of group {group} on {topic} queue {qid} stored",
-                                 cmd.response(ResponseCode.SUCCESS), paced=True, max_rest=ADMIN_REST_MAX_S)
+                                 cmd.response(ResponseCode.SUCCESS), paced=True, max_rest=ADMIN_REST_MAX_S,
+                                 moved=False)
         if moved_from is not None:
             # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
             # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
@@ -118,10 +119,14 @@ def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int) 
     return -1 if current is None else current
 
 
-async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_rest: float | None = None):
+async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_rest: float | None = None,
+                        moved: bool = True):
     """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
     saved (``reply`` too when it is an error already). ``paced``: an admin's move, reset or removal, which a client
-    may loop over: its save starts after the saver's rest (``ConsumerOffsets.saved``), counted when it waits one."""
+    may loop over: its save starts after the saver's rest (``ConsumerOffsets.saved``), counted when it waits one.
+    ``moved`` False: a consumer's own first offset of a queue, paced as those but no admin's move (it was counted in
+    txmq_offset_moves_deferred_total (help: moves by no consumer of the group) and said as one, a pull consumer
+    committing its queues one after another read there as a tool moving them, one a queue)."""
     try:
         rested = await ctx.offsets.saved(paced=paced, max_rest=max_rest)
     except OSError as exc:
@@ -129,7 +134,7 @@ async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
                                 f"are lost if the broker stops before the next periodic save): {exc}")
         return reply
-    if rested > 0:
+    if rested > 0 and moved:
         ctx.metrics.offset_moves_deferred.inc()
         if rested >= 1.0:       # a big table (a rest is REST_FACTOR saves), or many moves at once
             ctx.limits.warn("offset-move-rest", f"{done}: its save waited {rested:.1f} s for the offsets saver's "
