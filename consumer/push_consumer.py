@@ -956,19 +956,26 @@ class PushConsumer:
                 self._turn_failed(f"offset commit of {mq}")
 
     async def _commit_at_shutdown(self, queues: list[MessageQueue]) -> None:
-        """Commit one broker's ``queues`` at shutdown. A broker that does not answer one is not asked the rest:
-        each would wait out its own request timeout, and shutdown took one timeout per queue."""
-        for i, mq in enumerate(queues):
-            try:
-                await self._commit(mq, again=True)
-            except (RequestTimeoutError, ConnectionClosedError) as exc:
-                log.warning("push consumer %s: %s not committed at shutdown, their broker did not answer (%s); what "
-                            "was consumed since the last commit comes again", self.group,
-                            "; ".join(f"offset {self._offsets[q]} of {q}" for q in queues[i:]), exc)
-                return
-            except BrokerError as exc:
+        """Commit one broker's ``queues`` at shutdown, side by side. One after another, a broker that did not
+        answer cost a request timeout per queue, and one that answers saves a group's first offset of a queue
+        before its answer (a consumer stopped before its first commit round commits only first offsets): a paced
+        save each, 128 queues on a broker holding 10,240 offsets took 62.6 s to stop. Side by side, they share
+        the broker's saves, and one timeout bounds them all."""
+        results = await asyncio.gather(*(self._commit(mq, again=True) for mq in queues), return_exceptions=True)
+        unanswered, failed = [], None
+        for mq, result in zip(queues, results):
+            if isinstance(result, (RequestTimeoutError, ConnectionClosedError)):
+                unanswered.append(mq)
+                failed = failed or result
+            elif isinstance(result, BrokerError):
                 log.warning("push consumer %s: offset %d of %s not committed at shutdown (%s); what was consumed "
-                            "since the last commit comes again", self.group, self._offsets[mq], mq, exc)
+                            "since the last commit comes again", self.group, self._offsets[mq], mq, result)
+            elif isinstance(result, BaseException):
+                raise result
+        if unanswered:
+            log.warning("push consumer %s: %s not committed at shutdown, their broker did not answer (%s); what "
+                        "was consumed since the last commit comes again", self.group,
+                        "; ".join(f"offset {self._offsets[q]} of {q}" for q in unanswered), failed)
 
     async def _commit_loop(self) -> None:
         while True:

@@ -10,7 +10,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..limits import EveryKey, peer_host
 from ..slices import in_slices
-from ..store.offsets import REST_FACTOR
+from ..store.offsets import ADMIN_REST_MAX_S, REST_FACTOR
 from .pull import on_disk, pulled_groups
 
 log = logging.getLogger("txmq.offsets")
@@ -70,10 +70,21 @@ def update_consumer_offset(ctx, conn, cmd):
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
     moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
+    first = (moved_from is None and offset is not None and not cmd.is_oneway
+             and not ctx.offsets.has(group, topic, qid))
     if offset is None:
         ctx.offsets.forget(group, topic, qid)
     else:
         ctx.offsets.commit(group, topic, qid, offset, peer_host(conn))
+    if first:
+        # A consumer's first offset of the queue: our push consumer's start (consume_from="last" stores the
+        # queue's end before its first pull), a pull consumer's first commit. Answered from memory, a kill -9
+        # before the next periodic save left the group with no offset, and the successor of a consumer gone
+        # too was told none again and started at the end of ITS moment: everything sent since the first one
+        # began and not consumed by it, passed over. Once a queue and group, so on disk before SUCCESS.
+        return offsets_saved(ctx, cmd, f"first offset {offset} of group {group} on {topic} queue {qid} stored",
+                             cmd.response(ResponseCode.SUCCESS), paced=True, max_rest=ADMIN_REST_MAX_S,
+                             moved=False)
     if moved_from is not None:
         # An admin tool's move, either way (resetOffsetByTimeOld and its --force forward, the fallback of
         # resetOffsetNew and of skipAccumulatedMessage, cloneGroupOffset into the destination group): answered
@@ -118,10 +129,14 @@ def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int |
     return -1 if current is None else current
 
 
-async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_rest: float | None = None):
+async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_rest: float | None = None,
+                        moved: bool = True):
     """``reply`` once the consumer offsets file holds what was changed, or SYSTEM_ERROR saying ``done`` but not
     saved (``reply`` too when it is an error already). ``paced``: an admin's move, reset or removal, which a client
-    may loop over: its save starts after the saver's rest (``ConsumerOffsets.saved``), counted when it waits one."""
+    may loop over: its save starts after the saver's rest (``ConsumerOffsets.saved``), counted when it waits one.
+    ``moved`` False: a consumer's own first offset of a queue, paced as those but no admin's move (it was counted in
+    txmq_offset_moves_deferred_total (help: moves by no consumer of the group) and said as one, a pull consumer
+    committing its queues one after another read there as a tool moving them, one a queue)."""
     try:
         rested = await ctx.offsets.saved(paced=paced, max_rest=max_rest)
     except OSError as exc:
@@ -129,7 +144,7 @@ async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
                                 f"are lost if the broker stops before the next periodic save): {exc}")
         return reply
-    if rested > 0:
+    if rested > 0 and moved:
         ctx.metrics.offset_moves_deferred.inc()
         if rested >= 1.0:       # a big table (a rest is REST_FACTOR saves), or many moves at once
             ctx.limits.warn("offset-move-rest", f"{done}: its save waited {rested:.1f} s for the offsets saver's "

@@ -435,3 +435,39 @@ async def test_a_consumer_killed_before_its_first_commit_loses_nothing_sent_afte
     assert not lost, f"{len(lost)} of {len(sent_meanwhile)} messages sent while no consumer ran never consumed"
     shipped = [row[0] for row in sqlite3.connect(db).execute("SELECT order_id FROM shipments")]
     assert len(shipped) == len(set(shipped)), "a message applied twice"
+
+
+@bounded(120)
+async def test_a_start_stored_before_a_broker_kill_9_survives_it(broker_factory, tmp_path):
+    """The start a consume_from="last" consumer stores before its first pull was answered from the broker's memory,
+    on disk only at the next periodic save (5 s; here a minute, to make the window certain). The broker killed -9
+    within it, and the consumer too (one host's power cut), the restarted broker held no offset for the group, and
+    the successor started at the end again: everything sent since the first one began that it had not consumed was
+    passed over. A consumer's first offset for a queue is on disk before its answer now."""
+    flags = ("--access-message-in-memory-max-ratio", "0", "--flush-consumer-offset-interval-ms", "60000")
+    b = broker_factory(*flags)
+    await create_topic(b.broker, TOPIC, 1)
+    progress = asyncio.Event()
+    db, log = tmp_path / "shipments.db", tmp_path / "consumer.log"
+    async with Producer(b.namesrv, PGROUP) as producer:
+        await producer.send(TOPIC, b"before")      # the queue is not young: no offset is QUERY_NOT_FOUND, not 0
+        first = ShippingConsumer(b.namesrv, db, log, progress, "--from-last")
+        await first.start()
+        try:
+            await _ship_a_probe(producer, first, progress, "first")
+        finally:
+            await first.kill()
+        sent_meanwhile = [f"meanwhile-{i}" for i in range(20)]
+        for body in sent_meanwhile:
+            await producer.send(TOPIC, body.encode())
+    b.kill()                                        # within the offsets' save period
+    b = broker_factory(*flags)                      # same store, same ports
+    second = ShippingConsumer(b.namesrv, db, log, progress, "--from-last")
+    await second.start()
+    try:
+        async with Producer(b.namesrv, PGROUP) as producer:
+            await _ship_a_probe(producer, second, progress, "second")     # consumed in order: all before it too
+    finally:
+        await second.stop()
+    lost = [body for body in sent_meanwhile if body not in second.applied]
+    assert not lost, f"{len(lost)} of {len(sent_meanwhile)} messages sent before the broker's kill never consumed"

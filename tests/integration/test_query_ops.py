@@ -21,6 +21,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.message import decode_records
 from protocol.txlog import HALF_TOPIC, OP_TOPIC
+from tests.integration.test_hostile_caps import _scraped
 from tests.support.bounded import bounded
 from tests.support.broker_process import REPO
 
@@ -716,7 +717,7 @@ async def test_a_pull_consumers_own_commits_are_not_taken_for_an_admins_moves(br
     commits of what it pulled were taken for an admin tool's moves: each one forward waited for a save of the
     whole offsets table (100,000 offsets: 1.0-1.5 s, one save after another while it commits) and
     was said at WARNING as "no consumer of the group (an admin tool ...)". Only a move by a connection that
-    neither heartbeated nor pulled for the group waits."""
+    neither heartbeated nor pulled for the group waits, and a consumer's first offset of a queue (once)."""
     b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
     await _create(b, "OwnPulls", 1)
     mq = MessageQueue("OwnPulls", "broker-a", 0)
@@ -734,7 +735,8 @@ async def test_a_pull_consumers_own_commits_are_not_taken_for_an_admins_moves(br
         assert await consumer.fetch_offset(mq) == 4
     offsets_file = b.store_dir / "config" / "consumerOffset.json"
     saved = json.loads(offsets_file.read_text()) if offsets_file.exists() else {}
-    assert "OwnPulls@CG_own_pulls" not in saved.get("offsetTable", saved), "a pull consumer's commit waited for a save"
+    # the group's first offset of the queue is on disk before its answer (a kill -9 left the group none); the next not
+    assert saved["offsetTable"]["OwnPulls@CG_own_pulls"] == {"0": 2}, "a pull consumer's later commit waited for a save"
     assert "CG_own_pulls" not in b.log(), "a pull consumer's commit was said as an admin's move"
 
 
@@ -774,3 +776,22 @@ async def test_a_query_behind_thousands_of_a_colliding_key_stops_and_says_so(bro
     assert len(json.loads(as_json.stdout)) == 64 and "search stopped" not in as_json.stderr
     by_id = await asyncio.to_thread(_admin, b, "show-msg", "Aa", "--topic", "Collide")
     assert by_id.returncode == 1 and "search stopped after 4096 records" in by_id.stderr, by_id.stderr
+
+
+@bounded(60)
+async def test_a_consumers_first_offsets_are_not_counted_as_an_admins_deferred_moves(broker_factory):
+    """A consumer's first offset of a queue is saved before its answer, on the saver's pace (its rest after the
+    last save, as an admin tool's moves). Waiting that rest, it was counted in txmq_offset_moves_deferred_total,
+    whose help names moves by a client that is no consumer of the group: a pull consumer committing its 8 queues
+    one after another made it 7, as if a tool had moved them. It stays 0 (admin moves: test_hostile_caps)."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    await _create(b, "FirstOwn", 8)
+    async with PullConsumer(b.namesrv, "CG_first_own") as consumer:
+        queues = [MessageQueue("FirstOwn", "broker-a", q) for q in range(8)]
+        await consumer.pull(queues[0], 0)                  # the group's consumer on this connection
+        for mq in queues:
+            await consumer.commit_offset(mq, 0)     # one after another: each but the first waits the saver's rest
+    saved = json.loads((b.store_dir / "config" / "consumerOffset.json").read_text())
+    assert saved["offsetTable"]["FirstOwn@CG_first_own"] == {str(q): 0 for q in range(8)}
+    deferred = _scraped(b, "txmq_offset_moves_deferred_total")
+    assert deferred == 0, f"{deferred:g} of a consumer's own first commits counted as an admin's deferred moves"

@@ -546,3 +546,41 @@ async def test_a_send_back_to_a_read_only_retry_topic_is_refused_and_stores_noth
     assert await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", 2) == 0       # level 3: the first retry's
     resp = await _call(broker, RequestCode.GET_MAX_OFFSET, {"topic": f"%DLQ%{group}", "queueId": 0})
     assert resp.code != ResponseCode.SUCCESS or resp.int_field("offset") == 0, resp.remark
+
+
+@bounded(90)
+async def test_kill_9_with_retries_waiting_in_the_schedule_delivers_each_once_with_its_count(broker_factory):
+    """Messages given back with delay levels wait in SCHEDULE_TOPIC_XXXX; a kill -9 paced by the send-backs
+    answered: after the restart each answered one reaches %RETRY%<group> once, reconsumeTimes 1, RETRY_TOPIC kept."""
+    broker = broker_factory(*FAST)
+    group, total = "CG_sched_kill", 120
+    async with Producer(broker.namesrv, "PG_sched_kill") as producer:
+        sent = {(await producer.send("SchedRetry", b"r%d" % i)).msg_id for i in range(total)}
+    consumer = PullConsumer(broker.namesrv, group)
+    answered = set()
+    try:
+        pulled = [(mq, msg) for mq in await consumer.fetch_queues("SchedRetry")
+                  for msg in (await consumer.pull(mq, 0, max_nums=64)).messages]
+        for mq, msg in pulled[:total // 2]:
+            await consumer.send_back(mq, msg, delay_level=5 + len(answered) % 14)
+            answered.add(msg.properties["UNIQ_KEY"])
+        broker.kill()                       # SIGKILL with half given back, most of them still waiting
+    finally:
+        await consumer.shutdown()
+    broker = broker_factory(*FAST)          # same store
+    consumer = PullConsumer(broker.namesrv, group)
+    retry = []
+    try:
+        mq = (await consumer.fetch_queues(f"%RETRY%{group}"))[0]
+        offset = 0
+        while len(retry) < len(answered):
+            got = await consumer.pull(mq, offset, suspend_ms=1000)
+            retry += got.messages
+            offset = got.next_begin_offset
+        await asyncio.sleep(2.0)            # past the longest delay (1.8 s): anything repeated is there now
+        retry += (await consumer.pull(mq, offset)).messages
+    finally:
+        await consumer.shutdown()
+    keys = [m.properties["UNIQ_KEY"] for m in retry]
+    assert sorted(keys) == sorted(answered) and answered <= sent
+    assert {(m.reconsume_times, m.properties["RETRY_TOPIC"]) for m in retry} == {(1, "SchedRetry")}
