@@ -957,3 +957,25 @@ async def test_every_commit_after_a_dead_letter_is_named_even_past_the_lines_a_m
     ctx.tx.say_unsaid_dead_commits()        # said once
     assert caplog.text == text
     await ctx.store._store.close()
+
+
+async def test_commits_after_a_dead_letter_past_the_lines_a_minute_are_named_at_stop(tmp_path, caplog):
+    """Those past the 20 ERROR lines a minute wait for the minute's end to be named (the snapshot loop's turn): a
+    stop within that minute cancelled the loop and dropped them, counted and named nowhere (a stock client's END
+    comes once), which dead letters to resume again known to nobody. The stop names them."""
+    from broker.transaction.core import Reply
+    from protocol.codes import ResponseCode
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    said = ctx.tx._dead_commit_said
+    said.clock = lambda: 0.0        # the minute is not over when the stop comes
+    caplog.set_level(logging.ERROR, logger="txmq")
+    offsets = list(range(1000, 1030))
+    for off in offsets:
+        ctx.tx._count(Reply(ResponseCode.TRANSACTION_FAILED, f"transaction already DEAD (dead-lettered); COMMIT "
+                            f"refused: its message is on the dead-letter topic, `admin resume {off}` checks it again",
+                            "commit-after-dead"), "PG", off)
+    await ctx.tx.stop()
+    text = caplog.text
+    assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
+    await ctx.store._store.close()
