@@ -410,6 +410,7 @@ class MessageStore:
             cq.mark_missing()
             self._cqs[key] = cq
         self._queues_version += 1   # listed again after the rebuild: without those it found no record of
+
     def _first_segment_start(self) -> int:
         """The commit log's first segment's offset, from its files' names (before recovery loads them): the
         checkpoint vouches for records only from there (an empty slave rebased past 0 holds none below it). No
