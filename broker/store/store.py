@@ -162,10 +162,12 @@ class MessageStore:
 
     def _retry_queue(self, cq: ConsumeQueue) -> bool:
         """``cq.retry()``, telling the landed listeners of the units it wrote (all, or some on a disk still full)."""
-        before = cq.max_offset
+        before, had_file = cq.max_offset, bool(cq.files)
         try:
             return cq.retry()
         finally:
+            if cq.files and not had_file:
+                self._queues_version += 1   # listed once it has a file (_checkpoint)
             if cq.max_offset > before:
                 for fn in self._landed_listeners:
                     try:
@@ -407,6 +409,7 @@ class MessageStore:
             # leaves the mark, and the next start rebuilds it again (recovery removes it once they are)
             cq.mark_missing()
             self._cqs[key] = cq
+        self._queues_version += 1   # listed again after the rebuild: without those it found no record of
 
     def _first_segment_start(self) -> int:
         """The commit log's first segment's offset, from its files' names (before recovery loads them): the
@@ -509,6 +512,7 @@ class MessageStore:
                        OSError(errno.EIO, f"consume queue {topic}-{queue_id} has no file"))
             if not cq.files:
                 cq.open_file()
+                self._queues_version += 1   # listed once it has a file (_checkpoint)
             self.queue_index.add(key)
             return
         cq = self._make_queue(key)
@@ -575,6 +579,7 @@ class MessageStore:
                 self._new_queue(key)
             elif not cq.files:      # the writer made it meanwhile (a scheduled message), its file not: ours
                 cq.adopt_first_file(made.result())
+                self._queues_version += 1   # listed once it has a file (_checkpoint)
                 if self._retry_queue(cq):
                     self._backlogged.discard(cq)
             else:                   # made meanwhile, file and all, on the loop: it cannot be ours (O_EXCL)
@@ -679,7 +684,10 @@ class MessageStore:
         version = self._queues_version
         if point == self._last_checkpoint and version == self._listed_version:
             return
-        listed = (list(self._cqs), dict(self._deleted)) if version != self._listed_version else None
+        # (a queue with no file is not listed: one a start rebuilt from the whole log and found no record of, its
+        # records all gone with retention, listed was taken for a removed directory, and rebuilt, at every start)
+        listed = (([k for k, cq in self._cqs.items() if cq.files], dict(self._deleted))
+                  if version != self._listed_version else None)
         # Every unit of a record below ``point`` is in its queue now; flush them, then say so.
         # (with those a failed checkpoint took: their marks have moved on, and no later range covers them)
         ranges, self._ranges_to_retry = self._ranges_to_retry, []

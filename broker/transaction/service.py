@@ -230,6 +230,9 @@ class TransactionService:
         self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshots(), name="txmq-tx-snapshot")
 
     async def stop(self) -> None:
+        # First (nothing here waits on the disk): the snapshot loop named them once their minute was over; a stop
+        # within it cancelled the loop, and the late COMMITs past the 20 lines were named nowhere.
+        self.say_unsaid_dead_commits(now=True)
         await self.timer.stop()
         if self._snapshot_task is not None:
             self._snapshot_task.cancel()
@@ -580,11 +583,11 @@ class TransactionService:
             else:
                 self._dead_commits_unsaid_more += 1
 
-    def say_unsaid_dead_commits(self) -> None:
+    def say_unsaid_dead_commits(self, now: bool = False) -> None:
         """Name in one ERROR the dead-lettered transactions committed past the lines a minute (_commit_after_dead),
-        once that minute is over; from the snapshot loop."""
+        once that minute is over; from the snapshot loop. ``now``: whatever the minute (the stop: the loop is over)."""
         unsaid, more = self._dead_commits_unsaid, self._dead_commits_unsaid_more
-        if not unsaid or self._dead_commit_said.full():
+        if not (unsaid or more) or (self._dead_commit_said.full() and not now):
             return
         self._dead_commits_unsaid, self._dead_commits_unsaid_more = {}, 0
         log.error("%d more transactions already dead-lettered were committed by their producers (groups %s); each "

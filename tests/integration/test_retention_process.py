@@ -188,20 +188,27 @@ async def test_plans_judged_by_the_broker_on_a_store_written_80_hours_ago(broker
         "good_plan_removed": good["segments_removed"], "fresh_messages_readable": len(fresh)}))
 
 
+async def _restarted_with_a_half(broker_factory, store, *, sealed: bool = True):
+    """A broker started on the traffic of 80 h ago (_old_traffic): (it, now in ms, its one open half, a plan of
+    its store). ``sealed``: once its manifest names a sealed segment."""
+    past = broker_factory(*FLAGS, env=PAST)
+    await _old_traffic(past)
+    assert past.stop() == 0
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    if sealed:
+        await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
+    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
+    return b, now, half, _plan(store, now)
+
+
 async def test_a_plan_over_a_frame_is_applied_in_parts_its_halves_first(broker_factory, tmp_path):
     """A plan listing 90,000 halves (a producer group that died with its transactions open, or a plan the halves of
     which were decided since) is 17 MiB, over the 16 MiB frame a broker reads: sent whole, it was refused by the
     admin's own connection ("not sent", exit 1) and nothing expired, night after night. Sent a slice of halves a
     request, its segments last, the broker's half is dead-lettered, each stale one skipped, the segments removed."""
     store = tmp_path / "store"
-    past = broker_factory(*FLAGS, env=PAST)
-    await _old_traffic(past)
-    assert past.stop() == 0
-    b = broker_factory(*FLAGS)
-    now = int(time.time() * 1000)
-    await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
-    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
-    plan = _plan(store, now)
+    b, now, half, plan = await _restarted_with_a_half(broker_factory, store)
     assert plan["segments"]
     end = json.loads((store / "segments.json").read_text())["segments"][-1]["end"]
     stale = [{"commit_log_offset": end + 1000 + i, "queue_offset": i, "producer_group": "PG_tx", "topic": "Paid",
@@ -258,13 +265,7 @@ async def test_a_plan_with_a_bad_entry_past_the_first_part_changes_nothing(broke
     part holding the bad entry was refused: the halves of the parts before it were dead-lettered already (exit 1,
     "parts 1 to 1 were applied"), a plan the broker calls malformed half applied."""
     store = tmp_path / "store"
-    past = broker_factory(*FLAGS, env=PAST)
-    await _old_traffic(past)
-    assert past.stop() == 0
-    b = broker_factory(*FLAGS)
-    now = int(time.time() * 1000)
-    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
-    plan = _plan(store, now)
+    b, now, half, plan = await _restarted_with_a_half(broker_factory, store, sealed=False)
     plan["halves"] = [{"commit_log_offset": half["commit_log_offset"]}] + [{"commit_log_offset": -i} for i in
                                                                             range(1, 1001)] + ["not a half"]
     path = tmp_path / "bad.json"
@@ -306,14 +307,7 @@ async def test_a_plan_stopped_before_its_segments_part_claims_no_segment_judged(
     summary printed was the halves parts' replies merged, each saying "segments_removed": [], "segments_kept": []:
     a plan whose segments were never judged, or were going as it was printed, read as one that removed none."""
     store = tmp_path / "store"
-    past = broker_factory(*FLAGS, env=PAST)
-    await _old_traffic(past)
-    assert past.stop() == 0
-    b = broker_factory(*FLAGS)
-    now = int(time.time() * 1000)
-    await _wait_manifest(store, lambda m: any(e["sealed"] for e in m["segments"]))
-    (half,) = json.loads(_run_admin(b, "list", "--json").stdout)["pending"]
-    plan = _plan(store, now)
+    b, now, half, plan = await _restarted_with_a_half(broker_factory, store)
     assert plan["segments"]
     plan["halves"] = [{"commit_log_offset": half["commit_log_offset"]}] + [{"commit_log_offset": -i} for i in
                                                                             range(1, 1000)]

@@ -930,14 +930,22 @@ async def test_a_resume_whose_dead_letter_lookup_was_cut_says_so(tmp_path, caplo
         await store.close()
 
 
+def _commit_late(ctx, offsets) -> None:
+    """A producer's COMMIT of each of these dead-lettered transactions, as the service counts and says it."""
+    from broker.transaction.core import Reply
+    from protocol.codes import ResponseCode
+    for off in offsets:
+        ctx.tx._count(Reply(ResponseCode.TRANSACTION_FAILED, f"transaction already DEAD (dead-lettered); COMMIT "
+                            f"refused: its message is on the dead-letter topic, `admin resume {off}` checks it again",
+                            "commit-after-dead"), "PG", off)
+
+
 async def test_every_commit_after_a_dead_letter_is_named_even_past_the_lines_a_minute(tmp_path, caplog):
     """The ERROR naming a dead-lettered transaction its producer committed, with the `admin resume OFFSET` it needs,
     is said 20 a minute at most: past that (a group's backlog dead-lettered, then its late COMMITs in a burst) the
     rest were counted in txmq_transaction_commits_after_dead_letter_total and named nowhere, so which dead letters
     to resume was again known to nobody. They are named together once the minute is over (the snapshot loop's
     turn), one line, each offset once."""
-    from broker.transaction.core import Reply
-    from protocol.codes import ResponseCode
     clock = Clock()
     ctx = await make_service(tmp_path, clock)
     said = ctx.tx._dead_commit_said
@@ -945,10 +953,7 @@ async def test_every_commit_after_a_dead_letter_is_named_even_past_the_lines_a_m
     said.clock = lambda: ticks[0]
     caplog.set_level(logging.ERROR, logger="txmq")
     offsets = list(range(1000, 1030))
-    for off in offsets:
-        ctx.tx._count(Reply(ResponseCode.TRANSACTION_FAILED, f"transaction already DEAD (dead-lettered); COMMIT "
-                            f"refused: its message is on the dead-letter topic, `admin resume {off}` checks it again",
-                            "commit-after-dead"), "PG", off)
+    _commit_late(ctx, offsets)
     assert ctx.metrics.child(ctx.metrics.commits_after_dead, "PG")._value.get() == 30
     ticks[0] = 61.0
     ctx.tx.say_unsaid_dead_commits()
@@ -956,4 +961,21 @@ async def test_every_commit_after_a_dead_letter_is_named_even_past_the_lines_a_m
     assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
     ctx.tx.say_unsaid_dead_commits()        # said once
     assert caplog.text == text
+    await ctx.store._store.close()
+
+
+async def test_commits_after_a_dead_letter_past_the_lines_a_minute_are_named_at_stop(tmp_path, caplog):
+    """Those past the 20 ERROR lines a minute wait for the minute's end to be named (the snapshot loop's turn): a
+    stop within that minute cancelled the loop and dropped them, counted and named nowhere (a stock client's END
+    comes once), which dead letters to resume again known to nobody. The stop names them."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    said = ctx.tx._dead_commit_said
+    said.clock = lambda: 0.0        # the minute is not over when the stop comes
+    caplog.set_level(logging.ERROR, logger="txmq")
+    offsets = list(range(1000, 1030))
+    _commit_late(ctx, offsets)
+    await ctx.tx.stop()
+    text = caplog.text
+    assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
     await ctx.store._store.close()

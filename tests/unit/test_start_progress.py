@@ -406,3 +406,35 @@ async def test_a_delete_killed_before_the_next_checkpoint_does_not_rebuild_its_q
         assert report.scanned_from > 0 and not report.queues_rebuilt and not caplog.records
     finally:
         await store.close()
+
+
+@bounded(60)
+async def test_a_removed_queue_whose_records_retention_took_is_rebuilt_once_not_at_every_start(tmp_path, caplog):
+    """A listed queue whose directory is gone is rebuilt from the whole log. One whose every record retention has
+    removed (a restore that missed it, an operator's rm) finds nothing there: rebuilt with no file, the queue list
+    still named it, and every later start took it for a removed directory again, rebuilding every queue from the
+    whole log (a slow start each time, the same WARNING) until the list changed for another reason."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in await asyncio.gather(*[
+        store.put(PutRequest.build("GONE", b"x" * 2000, queue_id=0)) for _ in range(10)]))
+    assert all(r.ok for r in await asyncio.gather(*[
+        store.put(PutRequest.build("NEW", b"x" * 2000, queue_id=i % 2)) for i in range(200)]))
+    first = sorted(os.listdir(tmp_path / "commitlog"))[0]
+    await store.remove_segment(first, "test")       # every record of GONE went with it
+    await store.close()
+    shutil.rmtree(tmp_path / "consumequeue" / "GONE")
+
+    store = MessageStore(str(tmp_path), CFG)
+    report = await store.open()
+    await store.close()
+    assert report.queues_rebuilt == ["GONE-0"], report
+    caplog.set_level(logging.WARNING, logger="txmq.store")
+    caplog.clear()
+    store = MessageStore(str(tmp_path), CFG)       # the next start is a usual one, from the checkpoint
+    report = await store.open()
+    try:
+        assert not report.queues_rebuilt, report
+        assert "missing from consumequeue" not in caplog.text
+    finally:
+        await store.close()
