@@ -199,3 +199,60 @@ async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_
         took = time.monotonic() - began
     assert await queues_behind(b.namesrv, "CG_wide", "Wide") == []
     assert took < 15, f"shutdown committed {queues} first offsets in {took:.1f} s"
+
+
+@bounded(240)
+async def test_a_hand_over_before_the_first_commit_round_commits_its_queues_side_by_side(broker_factory):
+    """A rebalance giving away queues of a consume_from="first" consumer before its first commit round commits
+    each one's first offset, answered, and the broker saves a group's first offset of a queue before its answer
+    (paced). One queue after another (as shutdown's were until they were gathered), the hand-over of 64 queues on a
+    broker holding 20,480 offsets took one paced save each (9.9 s at 10,240), the rebalance waiting for it and the queues' new owner
+    redelivering what the old one had consumed meanwhile."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    queues = 128
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "Wide", "readQueueNums": queues, "writeQueueNums": queues, "perm": 6}), 5.0)
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        for g in range(160):     # other groups' offsets: a save of the table is no longer free
+            for q in range(queues):
+                conn.oneway(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": f"CG_other{g}", "topic": "Wide", "queueId": q, "commitOffset": 0}, oneway=True))
+        resp = await conn.request(RemotingCommand.request(R.GET_MAX_OFFSET, {"topic": "Wide", "queueId": 0}), 5.0)
+        assert resp.code == ResponseCode.SUCCESS        # (after the oneways on this connection)
+    finally:
+        conn.close()
+    async with Producer(b.namesrv, "PG_wide") as producer:
+        for q in range(queues):
+            await producer.send("Wide", b"m%d" % q, queue=MessageQueue("Wide", "broker-a", q))
+    seen: set = set()
+    everyone = asyncio.Event()
+
+    def listener(msg):
+        seen.add(msg.queue_id)
+        if len(seen) == queues:
+            everyone.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    first = PushConsumer(b.namesrv, "CG_wide_hand", listener, consume_from="first", offset_commit_interval_s=600,
+                         rebalance_interval_s=600)
+    first.subscribe("Wide", "*")
+    second = PushConsumer(b.namesrv, "CG_wide_hand", lambda msg: ConsumeStatus.CONSUME_SUCCESS,
+                          consume_from="first", offset_commit_interval_s=600, rebalance_interval_s=600)
+    second.subscribe("Wide", "*")
+    await first.start()
+    try:
+        await everyone.wait()       # every queue's loop started (at 0, stored nowhere) and consumed its message
+        await second.start()        # (its heartbeat names it to the broker: the group has two members)
+        began = time.monotonic()
+        await first.rebalance()     # (or the broker's notice of the new member began it): returns once handed over
+        await asyncio.gather(*first._handovers)
+        took = time.monotonic() - began
+        given = queues - len(first._owned)
+    finally:
+        await second.shutdown()
+        await first.shutdown()
+    assert given >= queues // 2 - 1
+    assert took < 5, f"the hand-over committed {given} first offsets in {took:.1f} s"
