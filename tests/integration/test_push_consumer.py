@@ -154,21 +154,16 @@ async def test_an_orderly_dead_letter_a_sync_master_stored_late_is_stored_once(b
     assert [(m.body, m.reconsume_times) for m in dead] == [(b"poison", 3)]
 
 
-@bounded(180)
-async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_by_side(broker_factory):
-    """A consume_from="first" consumer stopped before its first commit round commits each queue's first offset
-    at shutdown, answered, and the broker saves a group's first offset of a queue before its answer (paced: a rest
-    of 3 saves, then a save). One queue after another, each waited for its own: 128 queues on a broker holding
-    10,240 offsets took 35-100 s to stop. Side by side, they share the broker's saves."""
-    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
-    queues = 128
+async def _wide_topic_one_message_a_queue(b, queues: int, other_groups: int) -> None:
+    """Topic Wide of ``queues`` queues, a message in each, and ``other_groups`` groups' offsets on every queue (a
+    save of the broker's offsets table is no longer free)."""
     host, _, port = b.broker.rpartition(":")
     conn = await open_connection(host, int(port))
     try:
         resp = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
             "topic": "Wide", "readQueueNums": queues, "writeQueueNums": queues, "perm": 6}), 5.0)
         assert resp.code == ResponseCode.SUCCESS, resp.remark
-        for g in range(80):     # other groups' offsets: a save of the table is no longer free
+        for g in range(other_groups):     # other groups' offsets: a save of the table is no longer free
             for q in range(queues):
                 conn.oneway(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
                     "consumerGroup": f"CG_other{g}", "topic": "Wide", "queueId": q, "commitOffset": 0}, oneway=True))
@@ -179,6 +174,17 @@ async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_
     async with Producer(b.namesrv, "PG_wide") as producer:
         for q in range(queues):
             await producer.send("Wide", b"m%d" % q, queue=MessageQueue("Wide", "broker-a", q))
+
+
+@bounded(180)
+async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_by_side(broker_factory):
+    """A consume_from="first" consumer stopped before its first commit round commits each queue's first offset
+    at shutdown, answered, and the broker saves a group's first offset of a queue before its answer (paced: a rest
+    of 3 saves, then a save). One queue after another, each waited for its own: 128 queues on a broker holding
+    10,240 offsets took 35-100 s to stop. Side by side, they share the broker's saves."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    queues = 128
+    await _wide_topic_one_message_a_queue(b, queues, 80)
     seen: set = set()
     everyone = asyncio.Event()
 
@@ -210,23 +216,7 @@ async def test_a_hand_over_before_the_first_commit_round_commits_its_queues_side
     redelivering what the old one had consumed meanwhile."""
     b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
     queues = 128
-    host, _, port = b.broker.rpartition(":")
-    conn = await open_connection(host, int(port))
-    try:
-        resp = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
-            "topic": "Wide", "readQueueNums": queues, "writeQueueNums": queues, "perm": 6}), 5.0)
-        assert resp.code == ResponseCode.SUCCESS, resp.remark
-        for g in range(160):     # other groups' offsets: a save of the table is no longer free
-            for q in range(queues):
-                conn.oneway(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
-                    "consumerGroup": f"CG_other{g}", "topic": "Wide", "queueId": q, "commitOffset": 0}, oneway=True))
-        resp = await conn.request(RemotingCommand.request(R.GET_MAX_OFFSET, {"topic": "Wide", "queueId": 0}), 5.0)
-        assert resp.code == ResponseCode.SUCCESS        # (after the oneways on this connection)
-    finally:
-        conn.close()
-    async with Producer(b.namesrv, "PG_wide") as producer:
-        for q in range(queues):
-            await producer.send("Wide", b"m%d" % q, queue=MessageQueue("Wide", "broker-a", q))
+    await _wide_topic_one_message_a_queue(b, queues, 160)
     seen: set = set()
     everyone = asyncio.Event()
 
