@@ -154,9 +154,10 @@ async def test_an_orderly_dead_letter_a_sync_master_stored_late_is_stored_once(b
     assert [(m.body, m.reconsume_times) for m in dead] == [(b"poison", 3)]
 
 
-async def _wide_topic_one_message_a_queue(b, queues: int, other_groups: int) -> None:
+async def _wide_topic_one_message_a_queue(b, queues: int, other_groups: int):
     """Topic Wide of ``queues`` queues, a message in each, and ``other_groups`` groups' offsets on every queue (a
-    save of the broker's offsets table is no longer free)."""
+    save of the broker's offsets table is no longer free); an event set once a listener, the other returned, has
+    consumed a message of every queue."""
     host, _, port = b.broker.rpartition(":")
     conn = await open_connection(host, int(port))
     try:
@@ -174,6 +175,15 @@ async def _wide_topic_one_message_a_queue(b, queues: int, other_groups: int) -> 
     async with Producer(b.namesrv, "PG_wide") as producer:
         for q in range(queues):
             await producer.send("Wide", b"m%d" % q, queue=MessageQueue("Wide", "broker-a", q))
+    seen: set = set()
+    everyone = asyncio.Event()
+
+    def listener(msg):
+        seen.add(msg.queue_id)
+        if len(seen) == queues:
+            everyone.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+    return everyone, listener
 
 
 @bounded(180)
@@ -184,15 +194,7 @@ async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_
     10,240 offsets took 35-100 s to stop. Side by side, they share the broker's saves."""
     b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
     queues = 128
-    await _wide_topic_one_message_a_queue(b, queues, 80)
-    seen: set = set()
-    everyone = asyncio.Event()
-
-    def listener(msg):
-        seen.add(msg.queue_id)
-        if len(seen) == queues:
-            everyone.set()
-        return ConsumeStatus.CONSUME_SUCCESS
+    everyone, listener = await _wide_topic_one_message_a_queue(b, queues, 80)
 
     consumer = PushConsumer(b.namesrv, "CG_wide", listener, consume_from="first", offset_commit_interval_s=600)
     consumer.subscribe("Wide", "*")
@@ -212,19 +214,11 @@ async def test_a_hand_over_before_the_first_commit_round_commits_its_queues_side
     """A rebalance giving away queues of a consume_from="first" consumer before its first commit round commits
     each one's first offset, answered, and the broker saves a group's first offset of a queue before its answer
     (paced). One queue after another (as shutdown's were until they were gathered), the hand-over of 64 queues on a
-    broker holding 20,480 offsets took one paced save each (9.9 s at 10,240), the rebalance waiting for it and the queues' new owner
-    redelivering what the old one had consumed meanwhile."""
+    broker holding 20,480 offsets took one paced save each (14.9 s; 9.9 s at 10,240), the rebalance waiting for it
+    and the queues' new owner redelivering what the old one had consumed meanwhile."""
     b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
     queues = 128
-    await _wide_topic_one_message_a_queue(b, queues, 160)
-    seen: set = set()
-    everyone = asyncio.Event()
-
-    def listener(msg):
-        seen.add(msg.queue_id)
-        if len(seen) == queues:
-            everyone.set()
-        return ConsumeStatus.CONSUME_SUCCESS
+    everyone, listener = await _wide_topic_one_message_a_queue(b, queues, 160)
 
     first = PushConsumer(b.namesrv, "CG_wide_hand", listener, consume_from="first", offset_commit_interval_s=600,
                          rebalance_interval_s=600)
