@@ -231,9 +231,19 @@ class ConsumerOffsets:
     def remove_groups(self, groups: set[str]) -> None:
         """Every offset of these groups: O(their offsets), not a walk of the table."""
         self._remove([(g, t, q) for g in groups for t, qids in self._topics.get(g, {}).items() for q in qids])
+        self._unlist_forgotten(lambda key: key[0] in groups)
 
     def remove_topic(self, topic: str) -> None:
         self._remove([(g, topic, q) for g in self._groups.get(topic, ()) for q in self._topics[g][topic]])
+        self._unlist_forgotten(lambda key: key[1] == topic)
+
+    def _unlist_forgotten(self, gone) -> None:
+        """Forgotten queues of a topic or group removed are no longer listed to slaves at -1, as a Java master's
+        cleanOffsetByTopic and removeOffset take the -1 it keeps: listed on, a Java slave (putAll) took the deleted
+        topic's or group's entries back into its table at every sync (FORGOTTEN_KEPT at most: a short walk)."""
+        if self._forgotten:
+            for key in [key for key in self._forgotten if gone(key)]:
+                del self._forgotten[key]
 
     def _remove(self, keys) -> None:
         for key in keys:

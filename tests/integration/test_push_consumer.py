@@ -154,21 +154,17 @@ async def test_an_orderly_dead_letter_a_sync_master_stored_late_is_stored_once(b
     assert [(m.body, m.reconsume_times) for m in dead] == [(b"poison", 3)]
 
 
-@bounded(180)
-async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_by_side(broker_factory):
-    """A consume_from="first" consumer stopped before its first commit round commits each queue's first offset
-    at shutdown, answered, and the broker saves a group's first offset of a queue before its answer (paced: a rest
-    of 3 saves, then a save). One queue after another, each waited for its own: 128 queues on a broker holding
-    10,240 offsets took 35-100 s to stop. Side by side, they share the broker's saves."""
-    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
-    queues = 128
+async def _wide_topic_one_message_a_queue(b, queues: int, other_groups: int):
+    """Topic Wide of ``queues`` queues, a message in each, and ``other_groups`` groups' offsets on every queue (a
+    save of the broker's offsets table is no longer free); an event set once a listener, the other returned, has
+    consumed a message of every queue."""
     host, _, port = b.broker.rpartition(":")
     conn = await open_connection(host, int(port))
     try:
         resp = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
             "topic": "Wide", "readQueueNums": queues, "writeQueueNums": queues, "perm": 6}), 5.0)
         assert resp.code == ResponseCode.SUCCESS, resp.remark
-        for g in range(80):     # other groups' offsets: a save of the table is no longer free
+        for g in range(other_groups):     # other groups' offsets: a save of the table is no longer free
             for q in range(queues):
                 conn.oneway(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
                     "consumerGroup": f"CG_other{g}", "topic": "Wide", "queueId": q, "commitOffset": 0}, oneway=True))
@@ -187,6 +183,18 @@ async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_
         if len(seen) == queues:
             everyone.set()
         return ConsumeStatus.CONSUME_SUCCESS
+    return everyone, listener
+
+
+@bounded(180)
+async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_by_side(broker_factory):
+    """A consume_from="first" consumer stopped before its first commit round commits each queue's first offset
+    at shutdown, answered, and the broker saves a group's first offset of a queue before its answer (paced: a rest
+    of 3 saves, then a save). One queue after another, each waited for its own: 128 queues on a broker holding
+    10,240 offsets took 35-100 s to stop. Side by side, they share the broker's saves."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    queues = 128
+    everyone, listener = await _wide_topic_one_message_a_queue(b, queues, 80)
 
     consumer = PushConsumer(b.namesrv, "CG_wide", listener, consume_from="first", offset_commit_interval_s=600)
     consumer.subscribe("Wide", "*")
@@ -199,3 +207,36 @@ async def test_a_shutdown_before_the_first_commit_round_commits_its_queues_side_
         took = time.monotonic() - began
     assert await queues_behind(b.namesrv, "CG_wide", "Wide") == []
     assert took < 15, f"shutdown committed {queues} first offsets in {took:.1f} s"
+
+
+@bounded(240)
+async def test_a_hand_over_before_the_first_commit_round_commits_its_queues_side_by_side(broker_factory):
+    """A rebalance giving away queues of a consume_from="first" consumer before its first commit round commits
+    each one's first offset, answered, and the broker saves a group's first offset of a queue before its answer
+    (paced). One queue after another (as shutdown's were until they were gathered), the hand-over of 64 queues on a
+    broker holding 20,480 offsets took one paced save each (14.9 s; 9.9 s at 10,240), the rebalance waiting for it
+    and the queues' new owner redelivering what the old one had consumed meanwhile."""
+    b = broker_factory("--flush-consumer-offset-interval-ms", "600000")    # no periodic save within the test
+    queues = 128
+    everyone, listener = await _wide_topic_one_message_a_queue(b, queues, 160)
+
+    first = PushConsumer(b.namesrv, "CG_wide_hand", listener, consume_from="first", offset_commit_interval_s=600,
+                         rebalance_interval_s=600)
+    first.subscribe("Wide", "*")
+    second = PushConsumer(b.namesrv, "CG_wide_hand", lambda msg: ConsumeStatus.CONSUME_SUCCESS,
+                          consume_from="first", offset_commit_interval_s=600, rebalance_interval_s=600)
+    second.subscribe("Wide", "*")
+    await first.start()
+    try:
+        await everyone.wait()       # every queue's loop started (at 0, stored nowhere) and consumed its message
+        await second.start()        # (its heartbeat names it to the broker: the group has two members)
+        began = time.monotonic()
+        await first.rebalance()     # (or the broker's notice of the new member began it): returns once handed over
+        await asyncio.gather(*first._handovers)
+        took = time.monotonic() - began
+        given = queues - len(first._owned)
+    finally:
+        await second.shutdown()
+        await first.shutdown()
+    assert given >= queues // 2 - 1
+    assert took < 5, f"the hand-over committed {given} first offsets in {took:.1f} s"

@@ -78,22 +78,27 @@ def test_a_response_command_has_the_master_address_field():
     assert sync.master_addr == "127.0.0.1:10911"
 
 
-@bounded(10)
-async def test_a_negative_offset_on_the_master_is_not_copied(tmp_path):
-    """A Java master keeps any offset a client commits, -1 included. Copied, it made consumerOffset.json a file
-    the loader calls damaged: the next start read the older .bak, and once the .bak held it too, did not start."""
-    offsets = ConsumerOffsets(str(tmp_path))
-    offsets.commit("CG", "Orders", 1, 4)
+async def _synced_once(offsets, body: bytes) -> None:
+    """One sync of ``offsets`` from a master answering GET_ALL_CONSUMER_OFFSET with ``body``."""
     sync = SlaveSync(offsets, 10.0)
 
     async def request(addr, cmd, timeout):
-        return cmd.response(ResponseCode.SUCCESS, body=b'{"offsetTable":{"Orders@CG":{0:-1,1:7}}}')
+        return cmd.response(ResponseCode.SUCCESS, body=body)
     sync.pool.request = request
     sync.master_addr = "127.0.0.1:10911"
     try:
         assert await sync.sync_once()
     finally:
         await sync.close()
+
+
+@bounded(10)
+async def test_a_negative_offset_on_the_master_is_not_copied(tmp_path):
+    """A Java master keeps any offset a client commits, -1 included. Copied, it made consumerOffset.json a file
+    the loader calls damaged: the next start read the older .bak, and once the .bak held it too, did not start."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG", "Orders", 1, 4)
+    await _synced_once(offsets, b'{"offsetTable":{"Orders@CG":{0:-1,1:7}}}')
     offsets.persist()
     offsets.persist()                   # the previous copy holds it too
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]
@@ -1047,16 +1052,7 @@ async def test_a_negative_offset_on_the_master_forgets_the_slaves_copy_as_a_java
     offsets = ConsumerOffsets(str(tmp_path))
     offsets.commit("CG", "Orders", 0, 5)            # copied from the master before it was told -1
     offsets.commit("CG", "Orders", 1, 4)
-    sync = SlaveSync(offsets, 10.0)
-
-    async def request(addr, cmd, timeout):
-        return cmd.response(ResponseCode.SUCCESS, body=b'{"offsetTable":{"Orders@CG":{0:-1,1:7}}}')
-    sync.pool.request = request
-    sync.master_addr = "127.0.0.1:10911"
-    try:
-        assert await sync.sync_once()
-    finally:
-        await sync.close()
+    await _synced_once(offsets, b'{"offsetTable":{"Orders@CG":{0:-1,1:7}}}')
     assert offsets.get("CG", "Orders", 0) is None and offsets.get("CG", "Orders", 1) == 7
     offsets.persist()
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]

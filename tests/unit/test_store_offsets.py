@@ -1082,3 +1082,19 @@ def test_a_forgotten_queue_is_listed_until_committed_again_and_the_list_is_bound
     assert offsets.forgotten() == [("B", "T", 0), ("C", "T", 0)]
     offsets.commit("B", "T", 0, 1)
     assert offsets.forgotten() == [("C", "T", 0)]
+
+
+def test_a_deleted_topics_or_groups_forgotten_queues_are_no_longer_listed(tmp_path):
+    """A topic deleted (its offsets go inside the writer's delete) or a group deleted with removeOffset takes its
+    forgotten queues off the list slaves are sent at -1, as a Java master's cleanOffsetByTopic / removeOffset take
+    the -1 it keeps: listed on, a Java slave (putAll) got the deleted topic's or group's entries back into its
+    table at every sync, a group deleted on the master listed there for good; at most FORGOTTEN_KEPT of them."""
+    offsets = ConsumerOffsets(str(tmp_path))
+    for group, topic in (("A", "T"), ("A", "U"), ("B", "T"), ("B", "U")):
+        offsets.commit(group, topic, 0, 5)
+        offsets.forget(group, topic, 0)
+    offsets.commit("A", "T", 1, 6)
+    offsets.remove_topic("T")
+    assert offsets.forgotten() == [("A", "U", 0), ("B", "U", 0)]
+    offsets.remove_group("B")
+    assert offsets.forgotten() == [("A", "U", 0)]
