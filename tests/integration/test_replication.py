@@ -289,6 +289,15 @@ async def test_through_a_name_server_consumers_fail_over_to_the_slave(tmp_path):
             p.kill()
 
 
+async def _thirty_sent(ns, group: str, prefix: str):
+    """The queue a producer of ``group`` found replicating, once 30 messages (``prefix`` and a count) are sent to it."""
+    async with Producer(ns.addr, group) as producer:
+        mq = await _until_replicating(producer)
+        for i in range(30):
+            await producer.send(TOPIC, f"{prefix}{i}".encode(), queue=mq)
+    return mq
+
+
 async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_offset(tmp_path):
     """The log carries messages, not consumer offsets: a slave answered a failed-over consumer's offset query
     from its own empty table (0 here: every message again; past retention, the end: the rest never
@@ -299,10 +308,7 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
     try:
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-o", started, "--slave-sync-interval-ms", "200")
         async with asyncio.timeout(60):
-            async with Producer(ns.addr, "PG_offsets") as producer:
-                mq = await _until_replicating(producer)
-                for i in range(30):
-                    await producer.send(TOPIC, f"o{i}".encode(), queue=mq)
+            mq = await _thirty_sent(ns, "PG_offsets", "o")
             async with PullConsumer(ns.addr, "CG_failover") as consumer:
                 await _fetch_queues_once_routed(consumer, TOPIC)
                 await consumer.commit_offset(mq, 17)            # to the master, while it is there
@@ -330,10 +336,7 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-dg", started, "--slave-sync-interval-ms", "200",
                                                        "--slave-group-forget-ms", "1000")
         async with asyncio.timeout(60):
-            async with Producer(ns.addr, "PG_deleted_group") as producer:
-                mq = await _until_replicating(producer)
-                for i in range(30):
-                    await producer.send(TOPIC, f"g{i}".encode(), queue=mq)
+            mq = await _thirty_sent(ns, "PG_deleted_group", "g")
             for group, offset in (("CG_deleted", 17), ("CG_kept", 5)):
                 async with PullConsumer(ns.addr, group) as consumer:
                     await _fetch_queues_once_routed(consumer, TOPIC)
@@ -368,10 +371,7 @@ async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave
     try:
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-fq", started, "--slave-sync-interval-ms", "200")
         async with asyncio.timeout(60):
-            async with Producer(ns.addr, "PG_forgot") as producer:
-                mq = await _until_replicating(producer)
-                for i in range(30):
-                    await producer.send(TOPIC, f"f{i}".encode(), queue=mq)
+            mq = await _thirty_sent(ns, "PG_forgot", "f")
             other = MessageQueue(mq.topic, mq.broker_name, 1 if mq.queue_id == 0 else 0)
             await commit(other.queue_id, 5)
             await commit(mq.queue_id, 17)
@@ -400,10 +400,7 @@ async def test_a_group_deleted_on_the_master_while_its_slave_is_down_goes_from_t
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-dr", started, "--slave-sync-interval-ms", "200",
                                                        "--slave-group-forget-ms", "1000")
         async with asyncio.timeout(90):
-            async with Producer(ns.addr, "PG_deleted_down") as producer:
-                mq = await _until_replicating(producer)
-                for i in range(30):
-                    await producer.send(TOPIC, f"d{i}".encode(), queue=mq)
+            mq = await _thirty_sent(ns, "PG_deleted_down", "d")
             for group, offset in (("CG_deleted", 17), ("CG_kept", 5)):
                 async with PullConsumer(ns.addr, group) as consumer:
                     await _fetch_queues_once_routed(consumer, TOPIC)
