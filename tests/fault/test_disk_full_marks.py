@@ -409,7 +409,9 @@ async def test_a_transaction_snapshot_a_full_disk_refused_leaves_no_partial_file
             assert broker.stop() == 0
             assert "transaction snapshot not written at stop" in broker.log()
             assert not (store / "transactions" / "snapshot.json.tmp").exists()
-            assert _free(store) >= 48 << 10, _free(store)
+            # (the partial file took every free page, 0 left; the stop's own small writes -- the checkpoint, the
+            # config files, the queue list if its first write comes after the ballast -- take a page each)
+            assert _free(store) >= 32 << 10, _free(store)
 
             os.unlink(store / "ballast")
             broker = BrokerProcess(store, *flags).start()
