@@ -25,6 +25,7 @@ import zlib
 from typing import NamedTuple
 
 from .mapped_file import fsync_dir
+from .saved import write_synced
 
 log = logging.getLogger("txmq.store")
 
@@ -61,16 +62,7 @@ def write_checkpoint(store_dir: str, point: Checkpoint, name: str = FILE_NAME) -
     """Blocking (fsyncs): call it from the flush thread."""
     body = _BODY.pack(MAGIC, VERSION, point.flushed_offset, point.store_timestamp)
     raw = body + struct.pack(">II", zlib.crc32(body), 0)
-    path = os.path.join(store_dir, name)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, raw)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(store_dir)
+    _replace(store_dir, name, raw)
 
 
 QUEUES_FILE = "queues"      # every consume queue, as of the checkpoint (one "topic queue-id" a line)
@@ -112,15 +104,15 @@ def write_queue_list(store_dir: str, queues, marks: dict[str, int] | None = None
     the next start while this names it is rebuilt from the whole log, not taken for a queue with no message.
     ``marks``: the deleted topics' marks, so that a start tells a topic made again after its delete (listed with
     the mark: its queue is missing) from a delete the list does not know of yet (its queues went with it)."""
-    path = os.path.join(store_dir, QUEUES_FILE)
-    tmp = path + ".tmp"
     text = "\n".join([_QUEUES_HEAD] + [f"{topic} {qid}" for topic, qid in sorted(queues)]
                      + [f"{topic} - {below}" for topic, below in sorted((marks or {}).items())]) + "\n"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, text.encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    _replace(store_dir, QUEUES_FILE, text.encode("ascii"))
+
+
+def _replace(store_dir: str, name: str, data: bytes) -> None:
+    """``name`` in ``store_dir`` replaced by ``data``, synced, then renamed over it (saved.write_synced: a copy a
+    full disk cut short is removed, not left holding the pages that were free; a short os.write is not taken for
+    a whole one)."""
+    path = os.path.join(store_dir, name)
+    os.replace(write_synced(path + ".tmp", data), path)
     fsync_dir(store_dir)
