@@ -42,11 +42,11 @@ TRACE_TOPIC = "RMQ_SYS_TRACE_TOPIC"
 
 # RocketMQ's Permission.ADMIN_CODE, plus codes that decide, rewind or delete data: txmq's own and
 # INVOKE_BROKER_TO_RESET_OFFSET and CLONE_GROUP_OFFSET (any signed account may move a group in RocketMQ; here an
-# admin), and
-# wipeWritePerm / addWritePerm, which take the broker out of (or back into) write routes as brokerPermission does.
+# admin), and wipeWritePerm / addWritePerm, which take the broker out of (or back into) write routes as
+# brokerPermission does.
 ADMIN_CODES = frozenset({R.UPDATE_AND_CREATE_TOPIC, R.UPDATE_BROKER_CONFIG, R.DELETE_TOPIC_IN_BROKER,
-                         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.INVOKE_BROKER_TO_RESET_OFFSET, R.CLONE_GROUP_OFFSET,
-                         R.TXMQ_LIST_TRANSACTIONS,
+                         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, 207, R.INVOKE_BROKER_TO_RESET_OFFSET,
+                         R.CLONE_GROUP_OFFSET, R.TXMQ_LIST_TRANSACTIONS,
                          R.TXMQ_RESOLVE_TRANSACTION, R.TXMQ_RESUME_TRANSACTION, R.RESUME_CHECK_HALF_MESSAGE,
                          R.TXMQ_APPLY_EXPIRY,
                          R.WIPE_WRITE_PERM_OF_BROKER, R.ADD_WRITE_PERM_OF_BROKER})

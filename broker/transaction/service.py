@@ -80,6 +80,7 @@ class DecisionError(Exception):
 # Dead-lettered transactions committed late, past the ERROR lines a minute, kept to be named at its end
 _UNSAID_MAX = 2000
 
+
 class TransactionService:
     def __init__(self, ctx):
         c = ctx.config
