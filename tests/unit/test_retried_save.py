@@ -22,6 +22,24 @@ def _counting_writes(table) -> list:
     return written
 
 
+async def _saved_while_changed_between_slices(monkeypatch, module, encoder: str, table, change) -> list:
+    """``table`` saved while, in its first save's encoding (``module.encoder``, patched: that save has taken its
+    table, not encoded it yet), ``change()`` is made and a second save asked for; the counters written, in order."""
+    written = _counting_writes(table)
+    late: list = []
+    real = getattr(module, encoder)
+
+    async def changed_meanwhile(*args, **kwargs):
+        if not late:
+            change()
+            late.append(asyncio.ensure_future(table.save()))
+        return await real(*args, **kwargs)
+    monkeypatch.setattr(module, encoder, changed_meanwhile)
+    await table.save()
+    await late[0]
+    return written
+
+
 @bounded(20)
 async def test_saves_asked_for_back_to_back_share_one_write_and_each_change_is_on_disk(tmp_path):
     """Each save encoded and held its own copy of the whole table, so 100 updates pipelined at 20,000 groups took
@@ -64,18 +82,9 @@ async def test_a_group_changed_while_a_save_encodes_its_slices_is_saved_again(tm
     for i in range(4 * subscriptions.GROUP_SLICE):
         groups.groups[f"CG_{i:05d}"] = subscriptions.group_config(f"CG_{i:05d}")
     groups.update({"groupName": "CG_00000", "retryMaxTimes": 1})
-    written = _counting_writes(groups)
-    late: list = []
-    real = subscriptions.members_in_slices
-
-    async def changed_meanwhile(*args, **kwargs):       # (the first save has taken its table, not encoded it yet)
-        if not late:
-            groups.update({"groupName": "CG_late", "retryMaxTimes": 7})
-            late.append(asyncio.ensure_future(groups.save()))
-        return await real(*args, **kwargs)
-    monkeypatch.setattr(subscriptions, "members_in_slices", changed_meanwhile)
-    await groups.save()
-    await late[0]
+    written = await _saved_while_changed_between_slices(
+        monkeypatch, subscriptions, "members_in_slices", groups,
+        lambda: groups.update({"groupName": "CG_late", "retryMaxTimes": 7}))
     assert written == [groups.counter - 1, groups.counter], written
     on_disk = SubscriptionGroups(str(tmp_path), lambda: 0).groups
     assert on_disk["CG_late"]["retryMaxTimes"] == 7
@@ -89,18 +98,8 @@ async def test_a_key_set_while_a_kv_save_encodes_its_slices_is_saved_again(tmp_p
     kv = KvConfig(str(tmp_path / "kvConfig.json"))
     for i in range(4 * kv_config.KEY_SLICE):
         kv.put("NS", f"k{i}", "v")
-    written = _counting_writes(kv)
-    late: list = []
-    real = kv_config.dump_in_slices
-
-    async def changed_meanwhile(*args, **kwargs):
-        if not late:
-            kv.put("NS", "late", "1")
-            late.append(asyncio.ensure_future(kv.save()))
-        return await real(*args, **kwargs)
-    monkeypatch.setattr(kv_config, "dump_in_slices", changed_meanwhile)
-    await kv.save()
-    await late[0]
+    written = await _saved_while_changed_between_slices(monkeypatch, kv_config, "dump_in_slices", kv,
+                                                        lambda: kv.put("NS", "late", "1"))
     assert written == [kv.counter - 1, kv.counter], written
     assert json.loads((tmp_path / "kvConfig.json").read_text())["configTable"]["NS"]["late"] == "1"
 
