@@ -343,3 +343,25 @@ async def test_kill_9_mid_timer_delivery_after_a_delay_offset_json_of_bitmaps_lo
             await asyncio.sleep(0.1)
     assert set(keys) == due and not held & set(keys)
     assert [k for k, n in keys.items() if n > 1] == []
+
+
+async def test_messages_waiting_at_a_level_the_restarted_broker_no_longer_has_are_delivered_at_its_last(
+        broker_factory):
+    """An operator who shortens ``message_delay_level`` (18 levels to 2) while messages wait at level 18: their
+    SCHEDULE_TOPIC_XXXX queue 17 was read by nobody after the restart, the messages never delivered, not counted
+    as waiting, nothing said (RocketMQ 4.9.8's schedule walks only the configured levels too). They are taken at
+    the last level now, as a send asking a level past it is, counted, and said at WARNING at start."""
+    hour_last = " ".join(f"{n * 100}ms" for n in range(1, 18)) + " 1h"
+    broker = broker_factory("--message-delay-level", hour_last)
+    async with asyncio.timeout(60):
+        async with Producer(broker.namesrv, "PG_cut") as producer:
+            sent = {(await producer.send("Cut", b"c%d" % i, delay_level=18)).msg_id for i in range(5)}
+        assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 5
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", "100ms 200ms")
+        assert ("delay levels past the 2 configured (message_delay_level; an earlier run had more) hold messages "
+                "waiting (level 18: 5)") in broker.log()
+        while sum((keys := await _count_keys(broker.namesrv, "Cut")).values()) < 5:
+            await asyncio.sleep(0.1)
+    assert set(keys) == sent and max(keys.values()) == 1
+    assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 0
