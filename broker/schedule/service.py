@@ -694,8 +694,9 @@ class ScheduleService:
     def _stored_top_level(self) -> int:
         """The configured levels, or more when an earlier run's longer ``message_delay_level`` left messages waiting
         past them: read by nobody (RocketMQ 4.9.8's schedule walks its configured levels alone), they were never
-        delivered, nor counted as waiting. They go at the last level's delay now, as a send asking past it does
-        (correctDeliverTimestamp: one due further ahead than that goes at once), said once here."""
+        delivered, nor counted as waiting. They are read at the last level's delay now, as a send asking past it
+        is: by correctDeliverTimestamp, one due further ahead than that from now goes at once, the others at their
+        own time (as a configured level's messages when its delay is shortened), said once here."""
         store, top = self.ctx.store, self.levels.max_level
         done = self.progress.levels
         past = {qid + 1: store.max_offset(SCHEDULE_TOPIC, qid)
@@ -703,10 +704,15 @@ class ScheduleService:
                 for topic, qid in store.queues() if topic == SCHEDULE_TOPIC and qid >= top}
         past = {level: n for level, n in sorted(past.items()) if n > 0}
         if past:
+            # (not "at the last level's delay": one due an hour on went at once, by correctDeliverTimestamp's rule)
+            config = getattr(self.ctx, "config", None)
+            slave = config is not None and config.broker_role == "SLAVE"
+            then = (" by the master (this slave delivers none)" if slave
+                    else "; to keep their delays, start with the longer message_delay_level again")
             log.warning("delay levels past the %d configured (message_delay_level; an earlier run had more) hold "
-                        "messages waiting (%s): delivered at the last level's delay, %d ms; to keep their delays, "
-                        "start with the longer message_delay_level again", top,
-                        ", ".join(f"level {level}: {n}" for level, n in past.items()), self.levels.delays_ms[-1])
+                        "messages waiting (%s): those due more than the last level's delay, %d ms, from now are "
+                        "delivered at once, the others at their time%s", top,
+                        ", ".join(f"level {level}: {n}" for level, n in past.items()), self.levels.delays_ms[-1], then)
         return max([top, *past])
 
     # ----------------------------------------------------------- views

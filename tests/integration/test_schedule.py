@@ -350,7 +350,9 @@ async def test_messages_waiting_at_a_level_the_restarted_broker_no_longer_has_ar
     """An operator who shortens ``message_delay_level`` (18 levels to 2) while messages wait at level 18: their
     SCHEDULE_TOPIC_XXXX queue 17 was read by nobody after the restart, the messages never delivered, not counted
     as waiting, nothing said (RocketMQ 4.9.8's schedule walks only the configured levels too). They are taken at
-    the last level now, as a send asking a level past it is, counted, and said at WARNING at start."""
+    the last level now, as a send asking a level past it is, counted, and said at WARNING at start. (Said as
+    "delivered at the last level's delay" at first: each due an hour on went at once, by correctDeliverTimestamp's
+    rule, as a configured level's messages do when its delay is shortened.)"""
     hour_last = " ".join(f"{n * 100}ms" for n in range(1, 18)) + " 1h"
     broker = broker_factory("--message-delay-level", hour_last)
     async with asyncio.timeout(60):
@@ -360,7 +362,8 @@ async def test_messages_waiting_at_a_level_the_restarted_broker_no_longer_has_ar
         assert broker.stop() == 0
         broker = broker_factory("--message-delay-level", "100ms 200ms")
         assert ("delay levels past the 2 configured (message_delay_level; an earlier run had more) hold messages "
-                "waiting (level 18: 5)") in broker.log()
+                "waiting (level 18: 5): those due more than the last level's delay, 200 ms, from now are delivered "
+                "at once") in broker.log()
         while sum((keys := await _count_keys(broker.namesrv, "Cut")).values()) < 5:
             await asyncio.sleep(0.1)
     assert set(keys) == sent and max(keys.values()) == 1
