@@ -110,11 +110,12 @@ class PushConsumer:
         if consume_timestamp_ms is not None and consume_from != "timestamp":
             raise ValueError(f"consume_timestamp_ms={consume_timestamp_ms!r} is read with consume_from=\"timestamp\" "
                              f"only, not {consume_from!r}")
-        if consume_timestamp_ms is not None and (type(consume_timestamp_ms) is not int or consume_timestamp_ms < 0):
+        if consume_timestamp_ms is not None and (type(consume_timestamp_ms) is not int
+                                                 or not 0 <= consume_timestamp_ms < 1 << 63):   # (a Java long)
             # sent as given: Java's "yyyyMMddHHmmss" string was read as milliseconds (centuries ahead, every new
             # queue started at its last message); a float was refused by the broker at every first pull
             raise ValueError(f"consume_timestamp_ms={consume_timestamp_ms!r}: milliseconds since the epoch, an int "
-                             "of 0 or more (not Java's \"yyyyMMddHHmmss\" consumeTimestamp string: convert it, "
+                             "of 0 or more, within a Java long (not Java's \"yyyyMMddHHmmss\" consumeTimestamp string: convert it, "
                              "e.g. int(datetime.strptime(s, \"%Y%m%d%H%M%S\").timestamp() * 1000))")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")

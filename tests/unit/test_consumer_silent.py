@@ -564,7 +564,7 @@ async def test_send_back_refuses_max_reconsume_times_below_minus_one_as_the_push
     assert asked == []
 
 
-@pytest.mark.parametrize("stamp", ["20000101000000", 1795875285074.61, True, -1])
+@pytest.mark.parametrize("stamp", ["20000101000000", 1795875285074.61, True, -1, 1 << 63])
 async def test_consume_timestamp_ms_that_is_no_millisecond_count_is_refused_when_made(stamp):
     """consume_timestamp_ms went into SEARCH_OFFSET_BY_TIMESTAMP as given. Java's consumeTimestamp string
     ("20000101000000", meaning everything since 2000), which a consumer ported from Java passes, was read by the
