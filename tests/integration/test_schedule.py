@@ -368,3 +368,32 @@ async def test_messages_waiting_at_a_level_the_restarted_broker_no_longer_has_ar
             await asyncio.sleep(0.1)
     assert set(keys) == sent and max(keys.values()) == 1
     assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 0
+
+
+async def test_messages_of_a_dropped_level_go_once_across_a_kill_9_and_a_start_with_the_longer_table_again(
+        broker_factory):
+    """The dropped level's progress is kept as the configured ones' is: a kill -9 while its messages are delivered
+    repeats and loses none, and a start with the longer table again finds none waiting (its gauge 0): taken for
+    waiting again, each would have gone a second time an hour on."""
+    hour_last = " ".join(f"{n * 100}ms" for n in range(1, 18)) + " 1h"
+    broker = broker_factory("--message-delay-level", hour_last)
+    total = 300
+    async with asyncio.timeout(90):
+        async with Producer(broker.namesrv, "PG_cut_kill") as producer:
+            sent = set()
+            for i in range(0, total, 50):
+                sent |= {r.msg_id for r in await asyncio.gather(*(
+                    producer.send("CutKill", b"k%d" % j, delay_level=18) for j in range(i, i + 50)))}
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", "100ms 200ms")
+        while sum((await _count_keys(broker.namesrv, "CutKill")).values()) < 30:
+            await asyncio.sleep(0.02)
+        broker.kill()                           # SIGKILL while deliveries go on
+        broker = broker_factory("--message-delay-level", "100ms 200ms")
+        while sum((keys := await _count_keys(broker.namesrv, "CutKill")).values()) < total:
+            await asyncio.sleep(0.1)
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", hour_last)
+        keys = await _count_keys(broker.namesrv, "CutKill")
+    assert set(keys) == sent and max(keys.values()) == 1
+    assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 0
