@@ -67,11 +67,18 @@ class ConsumeStatus(enum.Enum):
     RECONSUME_LATER = "RECONSUME_LATER"
 
 
+# consume_from -> the consumeFromWhere a heartbeat says (ConsumeFromWhere's names)
+_CONSUME_FROM = {"first": "CONSUME_FROM_FIRST_OFFSET", "last": "CONSUME_FROM_LAST_OFFSET",
+                 "timestamp": "CONSUME_FROM_TIMESTAMP"}
+
+
 class PushConsumer:
     """Subscribe, and the consumer calls ``listener(msg)`` for every message (DefaultMQPushConsumer).
 
     ``listener`` (plain or async) returns a ``ConsumeStatus``; raising is RECONSUME_LATER.
-    ``consume_from``: where a queue the group never consumed starts, ``"first"`` or ``"last"``;
+    ``consume_from``: where a queue the group never consumed starts, ``"first"``, ``"last"`` or ``"timestamp"``
+    (CONSUME_FROM_TIMESTAMP: the message the broker finds nearest ``consume_timestamp_ms``, by default half an hour
+    before the consumer was made, as RocketMQ's consumeTimestamp);
     ``max_reconsume_times``: retries before %DLQ%<group>; ``orderly`` / ``message_model``: see the
     module's docstring. The intervals (seconds) set rebalancing, offset commits, long-poll time and
     queue locks. ``shutdown_grace_s``: how long shutdown lets listeners already running finish (see
@@ -83,7 +90,7 @@ class PushConsumer:
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: Callable[[MessageExt], Any], *,
-                 consume_from: str = "last",
+                 consume_from: str = "last", consume_timestamp_ms: int | None = None,
                  max_reconsume_times: int = 16, rebalance_interval_s: float = 20.0, suspend_ms: int = 15000,
                  offset_commit_interval_s: float = 5.0, local_retry_delay_s: float = 1.0,
                  credentials: Credentials | None = None,
@@ -97,14 +104,27 @@ class PushConsumer:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every call before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
-        if consume_from not in ("first", "last"):
+        if consume_from not in _CONSUME_FROM:
             # anything else was "last": started at the end and stored so (_anchor), the heartbeat saying FIRST
-            raise ValueError(f"consume_from={consume_from!r}: \"first\" or \"last\"")
+            raise ValueError(f"consume_from={consume_from!r}: \"first\", \"last\" or \"timestamp\"")
+        if consume_timestamp_ms is not None and consume_from != "timestamp":
+            raise ValueError(f"consume_timestamp_ms={consume_timestamp_ms!r} is read with consume_from=\"timestamp\" "
+                             f"only, not {consume_from!r}")
+        if consume_timestamp_ms is not None and (type(consume_timestamp_ms) is not int
+                                                 or not 0 <= consume_timestamp_ms < 1 << 63):   # (a Java long)
+            # sent as given: Java's "yyyyMMddHHmmss" string was read as milliseconds (centuries ahead, every new
+            # queue started at its last message); a float was refused by the broker at every first pull
+            raise ValueError(f"consume_timestamp_ms={consume_timestamp_ms!r}: milliseconds since the epoch, an int "
+                             "of 0 or more, within a Java long (not Java's \"yyyyMMddHHmmss\" consumeTimestamp string: convert it, "
+                             "e.g. int(datetime.strptime(s, \"%Y%m%d%H%M%S\").timestamp() * 1000))")
         if message_model not in ("CLUSTERING", "BROADCASTING"):
             raise ValueError(f"message_model={message_model!r}: CLUSTERING or BROADCASTING")
         self.group = group
         self.listener = listener          # listener(msg) -> ConsumeStatus, plain or async
-        self.consume_from = consume_from  # where a queue with no committed offset starts: "first" or "last"
+        self.consume_from = consume_from  # where a queue with no committed offset starts: see _CONSUME_FROM
+        # (RocketMQ's consumeTimestamp default: half an hour before the consumer was made, fixed then)
+        self.consume_timestamp_ms = (int(time.time() * 1000) - 30 * 60_000 if consume_timestamp_ms is None
+                                     else consume_timestamp_ms)
         if max_reconsume_times < -1:
             raise ValueError(f"max_reconsume_times={max_reconsume_times!r}: 0 or more, or -1 for the default")
         # -1 is RocketMQ's "default" (DefaultMQPushConsumer's own default): 16 retries when consumed
@@ -365,8 +385,8 @@ class PushConsumer:
                 await asyncio.sleep(min(_BEAT_RETRY_S, self.rebalance_interval_s))
 
     async def _heartbeat(self, only: list[str] | None = None) -> None:
-        await self.client.heartbeat("CONSUME_PASSIVELY", "CONSUME_FROM_LAST_OFFSET" if self.consume_from == "last"
-                                    else "CONSUME_FROM_FIRST_OFFSET", self.message_model, only=only)
+        await self.client.heartbeat("CONSUME_PASSIVELY", _CONSUME_FROM[self.consume_from], self.message_model,
+                                    only=only)
 
     async def rebalance(self) -> None:
         """Recompute this consumer's queues now (also run periodically and when the group changes).
@@ -713,15 +733,19 @@ class PushConsumer:
             return stored
         if mq.topic == self.retry_topic or self.consume_from == "first":
             return 0
-        end = await self.client.max_offset(mq)
-        await self._anchor(mq, end)
-        return end
+        if self.consume_from == "timestamp":
+            start = await self.client.search_offset(mq, self.consume_timestamp_ms)
+        else:
+            start = await self.client.max_offset(mq)
+        await self._anchor(mq, start)
+        return start
 
     async def _anchor(self, mq: MessageQueue, offset: int) -> None:
-        """Store where a queue the group never committed starts (its end, consume_from "last") before its first
-        pull. Left to the commit loop, a consumer killed within its first offset_commit_interval_s stored nothing:
-        the next one was told no offset again and started at the end of that moment, passing over every message
-        sent since the first began, consumed or not (as RocketMQ's consumer still does). Once per such queue.
+        """Store where a queue the group never committed starts (its end, or consume_timestamp_ms's offset) before
+        its first pull. Left to the commit loop, a consumer killed within its first offset_commit_interval_s stored
+        nothing: the next one was told no offset again and started at the end of that moment, passing over every
+        message sent since the first began, consumed or not (as RocketMQ's consumer still does). Once per such
+        queue.
 
         Answered, on a connection that carried no heartbeat of the group (a broker the rebalance learnt of after
         its loop's beat, a reconnect), the broker took it for an admin tool's move: a WARNING blaming one, and its

@@ -85,6 +85,7 @@ class ScheduleService:
         self._held_since: float | None = None   # when deliveries began to wait (a full disk): said once, not per turn
         self._held_why: object = None           # ... and why, as last said (the store's status and remark)
         self.next_due: int | None = None    # earliest delivery time not yet due, after the last turn
+        self._top_level = levels.max_level  # the highest level with a queue to read (see _read_levels)
         self._recovered = False
         m = ctx.metrics
         self._late = m.schedule_delivered_late
@@ -129,7 +130,8 @@ class ScheduleService:
         p.progress_offset = end
         copied = self._take_master_copy(p)
         removed = []        # (what, messages): waiting ones retention removed while the broker was down
-        for level in range(1, self.levels.max_level + 1):
+        self._top_level = self._stored_top_level()
+        for level in self._read_levels():
             qid = level - 1
             lo, hi = store.min_offset(SCHEDULE_TOPIC, qid), store.max_offset(SCHEDULE_TOPIC, qid)
             if p.levels.get(level, 0) < min(lo, hi):
@@ -427,8 +429,8 @@ class ScheduleService:
         # would stall every level behind it for good. Stay within half a segment (one message alone may
         # be bigger: at most max_message_size, which a segment always holds).
         budget = min(BATCH_BYTES, store.config.segment_size // 2)
-        for level in range(1, self.levels.max_level + 1):
-            qid, delay = level - 1, self.levels.delays_ms[level - 1]
+        for level in self._read_levels():
+            qid, delay = level - 1, self.levels.delay_ms(level)
             offset = self.progress.levels.get(level, 0)
             start = offset
             end = store.max_offset(SCHEDULE_TOPIC, qid)
@@ -686,12 +688,39 @@ class ScheduleService:
         return diverted_request(self.levels, half, topic, queue_id, half_offset, self.ctx.store_host,
                                 self.ctx.clock())
 
+    def _read_levels(self) -> range:
+        return range(1, self._top_level + 1)
+
+    def _stored_top_level(self) -> int:
+        """The configured levels, or more when an earlier run's longer ``message_delay_level`` left messages waiting
+        past them: read by nobody (RocketMQ 4.9.8's schedule walks its configured levels alone), they were never
+        delivered, nor counted as waiting. They are read at the last level's delay now, as a send asking past it
+        is: by correctDeliverTimestamp, one due further ahead than that from now goes at once, the others at their
+        own time (as a configured level's messages when its delay is shortened), said once here."""
+        store, top = self.ctx.store, self.levels.max_level
+        done = self.progress.levels
+        past = {qid + 1: store.max_offset(SCHEDULE_TOPIC, qid)
+                - max(store.min_offset(SCHEDULE_TOPIC, qid), done.get(qid + 1, 0))
+                for topic, qid in store.queues() if topic == SCHEDULE_TOPIC and qid >= top}
+        past = {level: n for level, n in sorted(past.items()) if n > 0}
+        if past:
+            # (not "at the last level's delay": one due an hour on went at once, by correctDeliverTimestamp's rule)
+            config = getattr(self.ctx, "config", None)
+            slave = config is not None and config.broker_role == "SLAVE"
+            then = (" by the master (this slave delivers none)" if slave
+                    else "; to keep their delays, start with the longer message_delay_level again")
+            log.warning("delay levels past the %d configured (message_delay_level; an earlier run had more) hold "
+                        "messages waiting (%s): those due more than the last level's delay, %d ms, from now are "
+                        "delivered at once, the others at their time%s", top,
+                        ", ".join(f"level {level}: {n}" for level, n in past.items()), self.levels.delays_ms[-1], then)
+        return max([top, *past])
+
     # ----------------------------------------------------------- views
     def waiting(self) -> list[tuple[str, int]]:
         """(level, messages waiting) for every level with a queue, and ("timer", n)."""
         store = self.ctx.store
         out = []
-        for level in range(1, self.levels.max_level + 1):
+        for level in self._read_levels():
             hi = store.max_offset(SCHEDULE_TOPIC, level - 1)
             if hi:
                 out.append((str(level), max(0, hi - self.progress.levels.get(level, 0))))

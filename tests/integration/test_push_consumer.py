@@ -3,6 +3,7 @@ a poison message parked in %DLQ%, and SqliteIdempotency turning duplicates into 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -16,6 +17,7 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError
 from tests.support.bounded import bounded
+from tests.support.cluster_process import request
 from tests.support.delays import FAST
 from tests.support.offsets import queues_behind
 
@@ -253,3 +255,43 @@ async def test_a_hand_over_before_the_first_commit_round_commits_its_queues_side
         await first.shutdown()
     assert given >= queues // 2 - 1
     assert most >= given, f"at most {most} of the {given} handed-over queues' first offsets committed at once"
+
+
+@bounded(60)
+async def test_consume_from_timestamp_starts_a_new_groups_queue_at_the_message_stored_then(broker_factory):
+    """CONSUME_FROM_TIMESTAMP (RocketMQ's consumeTimestamp), which a consumer ported from Java asks for: it was
+    refused (ValueError), "first" and "last" alone. A queue the group never committed starts at the message
+    SEARCH_OFFSET_BY_TIMESTAMP finds for the time. (Its first
+    message "on disk": while it is in memory, the broker tells a group with no offset 0, RocketMQ's rule, and every
+    consume_from starts there, as a Java consumer's.)"""
+    broker = broker_factory("--access-message-in-memory-max-ratio", "0")
+    resp = await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {"topic": "FromTime", "readQueueNums": 1,
+                                                                    "writeQueueNums": 1, "perm": 6})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    async with Producer(broker.namesrv, "PG_from_time") as producer:
+        first = [await producer.send("FromTime", b"early-%d" % i) for i in range(5)]
+        probe = PullConsumer(broker.namesrv, "CG_from_time_probe")
+        mq = MessageQueue("FromTime", first[0].queue.broker_name, 0)
+        early = (await probe.pull(mq, 0, max_nums=32)).messages
+        while int(time.time() * 1000) <= max(m.store_timestamp for m in early):     # the next ones stored later
+            await asyncio.sleep(0.001)
+        for i in range(5):
+            await producer.send("FromTime", b"late-%d" % i)
+    late = [m for m in (await probe.pull(mq, 0, max_nums=32)).messages if m.body.startswith(b"late-")]
+    await probe.shutdown()
+    got, done = [], asyncio.Event()
+
+    def listener(msg):
+        got.append((msg.queue_offset, msg.body))
+        if len(got) >= len(late):
+            done.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_from_time", listener, consume_from="timestamp",
+                            consume_timestamp_ms=late[0].store_timestamp, suspend_ms=500)
+    consumer.subscribe("FromTime")
+    async with consumer:
+        await done.wait()
+    assert got == [(m.queue_offset, m.body) for m in late]      # from the first late one, none of the early
+    with pytest.raises(ValueError, match="consume_from=\"timestamp\" only"):
+        PushConsumer(broker.namesrv, "CG_x", listener, consume_from="last", consume_timestamp_ms=1)

@@ -343,3 +343,57 @@ async def test_kill_9_mid_timer_delivery_after_a_delay_offset_json_of_bitmaps_lo
             await asyncio.sleep(0.1)
     assert set(keys) == due and not held & set(keys)
     assert [k for k, n in keys.items() if n > 1] == []
+
+
+async def test_messages_waiting_at_a_level_the_restarted_broker_no_longer_has_are_delivered_at_its_last(
+        broker_factory):
+    """An operator who shortens ``message_delay_level`` (18 levels to 2) while messages wait at level 18: their
+    SCHEDULE_TOPIC_XXXX queue 17 was read by nobody after the restart, the messages never delivered, not counted
+    as waiting, nothing said (RocketMQ 4.9.8's schedule walks only the configured levels too). They are taken at
+    the last level now, as a send asking a level past it is, counted, and said at WARNING at start. (Said as
+    "delivered at the last level's delay" at first: each due an hour on went at once, by correctDeliverTimestamp's
+    rule, as a configured level's messages do when its delay is shortened.)"""
+    hour_last = " ".join(f"{n * 100}ms" for n in range(1, 18)) + " 1h"
+    broker = broker_factory("--message-delay-level", hour_last)
+    async with asyncio.timeout(60):
+        async with Producer(broker.namesrv, "PG_cut") as producer:
+            sent = {(await producer.send("Cut", b"c%d" % i, delay_level=18)).msg_id for i in range(5)}
+        assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 5
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", "100ms 200ms")
+        assert ("delay levels past the 2 configured (message_delay_level; an earlier run had more) hold messages "
+                "waiting (level 18: 5): those due more than the last level's delay, 200 ms, from now are delivered "
+                "at once") in broker.log()
+        while sum((keys := await _count_keys(broker.namesrv, "Cut")).values()) < 5:
+            await asyncio.sleep(0.1)
+    assert set(keys) == sent and max(keys.values()) == 1
+    assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 0
+
+
+async def test_messages_of_a_dropped_level_go_once_across_a_kill_9_and_a_start_with_the_longer_table_again(
+        broker_factory):
+    """The dropped level's progress is kept as the configured ones' is: a kill -9 while its messages are delivered
+    repeats and loses none, and a start with the longer table again finds none waiting (its gauge 0): taken for
+    waiting again, each would have gone a second time an hour on."""
+    hour_last = " ".join(f"{n * 100}ms" for n in range(1, 18)) + " 1h"
+    broker = broker_factory("--message-delay-level", hour_last)
+    total = 300
+    async with asyncio.timeout(90):
+        async with Producer(broker.namesrv, "PG_cut_kill") as producer:
+            sent = set()
+            for i in range(0, total, 50):
+                sent |= {r.msg_id for r in await asyncio.gather(*(
+                    producer.send("CutKill", b"k%d" % j, delay_level=18) for j in range(i, i + 50)))}
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", "100ms 200ms")
+        while sum((await _count_keys(broker.namesrv, "CutKill")).values()) < 30:
+            await asyncio.sleep(0.02)
+        broker.kill()                           # SIGKILL while deliveries go on
+        broker = broker_factory("--message-delay-level", "100ms 200ms")
+        while sum((keys := await _count_keys(broker.namesrv, "CutKill")).values()) < total:
+            await asyncio.sleep(0.1)
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", hour_last)
+        keys = await _count_keys(broker.namesrv, "CutKill")
+    assert set(keys) == sent and max(keys.values()) == 1
+    assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 0

@@ -562,3 +562,15 @@ async def test_send_back_refuses_max_reconsume_times_below_minus_one_as_the_push
     finally:
         await client.shutdown()
     assert asked == []
+
+
+@pytest.mark.parametrize("stamp", ["20000101000000", 1795875285074.61, True, -1, 1 << 63])
+async def test_consume_timestamp_ms_that_is_no_millisecond_count_is_refused_when_made(stamp):
+    """consume_timestamp_ms went into SEARCH_OFFSET_BY_TIMESTAMP as given. Java's consumeTimestamp string
+    ("20000101000000", meaning everything since 2000), which a consumer ported from Java passes, was read by the
+    broker as milliseconds (the year 2607): every new queue started at its last message, 4 of 5 passed over,
+    nothing said. A float (time.time() * 1000) was refused by the broker at each first pull, the queue never
+    consumed, a WARNING every 3 s. Refused when the consumer is made now, naming the form."""
+    with pytest.raises(ValueError, match="consume_timestamp_ms=.*milliseconds since the epoch"):
+        PushConsumer("127.0.0.1:1", "G", lambda m: ConsumeStatus.CONSUME_SUCCESS, consume_from="timestamp",
+                     consume_timestamp_ms=stamp)
