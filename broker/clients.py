@@ -161,6 +161,10 @@ class ConsumerGroup:
     consume_type: str = "CONSUME_PASSIVELY"
     message_model: str = "CLUSTERING"
     consume_from_where: str = "CONSUME_FROM_LAST_OFFSET"
+    # the remote address whose heartbeat last set the subscriptions, charged their text (_subscription_bytes)
+    # under max_subscription_bytes_per_host until another's sets them or nobody is in the group
+    sub_host: str | None = None
+    sub_bytes: int = 0
 
 
 class _Slices:
@@ -330,11 +334,17 @@ RESTORED = _Restored()
 
 
 class ClientRegistry:
-    def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62):
+    def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62,
+                 max_subscription_bytes_per_host: int = 1 << 62):
         self.clock = clock
         # A consumer group's subscriptions as a heartbeat gave them (topics, expressions, tags), in bytes of text,
         # at most this: each group kept what its last heartbeat said, so one frame (16 MiB) a group.
         self.max_subscription_bytes = max_subscription_bytes
+        # ... and all the groups whose subscriptions one remote address's heartbeats set, at most this: a group's
+        # are kept as some 32 times their text (256 KiB of 37,000 topics: 8.3 MB), and one address heartbeating
+        # groups at the limit above, up to max_groups_per_host of them, could make the broker keep 80 GB.
+        self.max_subscription_bytes_per_host = max_subscription_bytes_per_host
+        self._sub_bytes_by_host: dict[str, int] = {}
         # Group registrations (a connection in a producer or consumer group) from one remote address, at most
         # max_groups_per_host: group names cost a client nothing, and one connection heartbeating made-up names
         # grew the broker by some 40 MB a second for as long as it went on.
@@ -379,8 +389,9 @@ class ClientRegistry:
     def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
         """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, how
         many groups were not joined for max_groups_per_host (the groups it is in already are renewed all the
-        same: a client at the limit keeps what it has), and the consumer groups whose subscriptions were past
-        max_subscription_bytes (neither joined nor changed; a member stays one)."""
+        same: a client at the limit keeps what it has), the consumer groups whose subscriptions were past
+        max_subscription_bytes, and those whose subscriptions would have put the address past
+        max_subscription_bytes_per_host (neither joined nor changed; a member stays one)."""
         return _run(self.heartbeat_steps(conn, cmd))
 
     def heartbeat_steps(self, conn, cmd: RemotingCommand):
@@ -398,6 +409,8 @@ class ClientRegistry:
         changed = []
         refused = 0
         oversized = []
+        crowded = []        # past max_subscription_bytes_per_host
+        host = peer_host(conn)
         for n, group in enumerate(producers, 1):
             if not n % HEARTBEAT_SLICE:
                 yield
@@ -409,8 +422,9 @@ class ClientRegistry:
                 yield
             group = self.consumers.get(consumer["groupName"])
             member = group is not None and group.channels.get(conn)
-            if _subscription_bytes(consumer) > self.max_subscription_bytes:
-                oversized.append(consumer["groupName"])
+            size = _subscription_bytes(consumer)
+            if size > self.max_subscription_bytes or not self._subscription_room(host, group, consumer, size):
+                (oversized if size > self.max_subscription_bytes else crowded).append(consumer["groupName"])
                 if member:
                     member.last_seen_ms = now
                 continue
@@ -419,8 +433,33 @@ class ClientRegistry:
                 continue
             if self._register_consumer(conn, client_id, cmd, consumer, now):
                 changed.append(consumer["groupName"])
+            if consumer["subscriptionDataSet"]:     # (none named: the group keeps its own, charged as they were)
+                self._charge(self.consumers[consumer["groupName"]], host, size)
         conn.attributes["client_id"] = client_id
-        return changed, refused, oversized
+        return changed, refused, oversized, crowded
+
+    def _subscription_room(self, host: str, group, consumer: dict, size: int) -> bool:
+        """Whether ``host`` may set ``group``'s subscriptions to ``consumer``'s (``size`` bytes of text) within
+        max_subscription_bytes_per_host. One that does not add to what it is charged always may (a host past a
+        limit lowered since keeps, renews and shrinks what it has)."""
+        if not consumer["subscriptionDataSet"]:
+            return True
+        mine = group.sub_bytes if group is not None and group.sub_host == host else 0
+        if size <= mine:
+            return True
+        return self._sub_bytes_by_host.get(host, 0) - mine + size <= self.max_subscription_bytes_per_host
+
+    def _charge(self, group, host: str | None, size: int) -> None:
+        """Charge ``group``'s subscriptions, ``size`` bytes, to ``host`` (None: to nobody, the group gone)."""
+        if group.sub_host is not None:
+            left = self._sub_bytes_by_host.get(group.sub_host, 0) - group.sub_bytes
+            if left > 0:
+                self._sub_bytes_by_host[group.sub_host] = left
+            else:
+                self._sub_bytes_by_host.pop(group.sub_host, None)
+        group.sub_host, group.sub_bytes = host, size
+        if host is not None:
+            self._sub_bytes_by_host[host] = self._sub_bytes_by_host.get(host, 0) + size
 
     def renew(self, conn) -> int:
         """Mark every group ``conn`` is in as heard from now (a heartbeat whose body is not read); returns how many."""
@@ -586,6 +625,7 @@ class ClientRegistry:
         for name in list(self.consumers) if consumer_groups is None else consumer_groups:
             group = self.consumers.get(name)
             if group is not None and not group.channels:
+                self._charge(group, None, 0)
                 del self.consumers[name]
 
     def connection_closed(self, conn) -> list[str]:

@@ -46,10 +46,10 @@ def test_every_departure_gives_the_room_back():
 def test_a_group_past_max_subscription_bytes_is_not_joined_but_a_member_stays_one():
     clients = ClientRegistry(lambda: 0, max_subscription_bytes=100)
     conn = _Conn()
-    assert _beat(clients, conn, "G") == (["G"], 0, [])
+    assert _beat(clients, conn, "G") == (["G"], 0, [], [])
     body = {"consumerDataSet": [{"groupName": "G", "subscriptionDataSet": [
         {"topic": f"Topic{i}", "subString": "*"} for i in range(50)]}]}
-    changed, _, oversized = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
+    changed, _, oversized, _ = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
                                                                             body=json.dumps(body).encode()))
     assert (changed, oversized) == ([], ["G"])
     assert clients.consumer_ids("G") == ["c"] and list(clients.consumers["G"].subscriptions) == ["T"]
@@ -78,7 +78,7 @@ def test_a_group_naming_more_tags_than_its_limit_holds_is_refused_before_they_ar
     conn = _Conn()
     body = {"clientID": "c", "consumerDataSet": [_tagged("G", ["a"] * 1500 + [["not", "a", "tag"]]),
                                                  _tagged("H", ["a"] * 10)]}
-    changed, _, oversized = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
+    changed, _, oversized, _ = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
                                                                             body=json.dumps(body).encode()))
     assert (changed, oversized) == (["H"], ["G"])
     # and empty tags weigh a byte each: 1000 of them do not slip under the limit as nothing
@@ -117,7 +117,7 @@ def _yields_registering(clients, body, groups) -> int:
             next(steps)
             yields += 1
     except StopIteration as done:
-        changed, refused, oversized = done.value
+        changed, refused, oversized, _ = done.value
     assert sorted(changed) == sorted(f"G{i}" for i in range(groups)) and not refused and not oversized
     return yields
 
@@ -149,3 +149,33 @@ def test_a_heartbeat_of_long_sql92_expressions_lets_the_loop_run_between_its_gro
         for n in range(15)]} for i in range(groups)]}
     yields = _yields_registering(ClientRegistry(lambda: 0, max_subscription_bytes=256 * 1024), body, groups)
     assert yields >= 2 * (groups - 1), yields
+
+
+def _subscribed(clients, conn, group: str, topics: int):
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": group, "subscriptionDataSet": [
+        {"topic": f"T{i:04d}", "subString": "*"} for i in range(topics)]}]}     # 6 bytes a subscription
+    return clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))
+
+
+def test_the_groups_one_address_subscribes_hold_at_most_max_subscription_bytes_per_host():
+    """Each group's subscriptions, within max_subscription_bytes, are kept as some 32 times their text: one address
+    heartbeating group after group at that limit grew the broker by 8 MB a group, up to max_groups_per_host. The
+    groups whose subscriptions an address set are charged to it; a group past what it has left is neither joined
+    nor changed, a member renewed; the room comes back when the group goes or another address sets them."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0], max_subscription_bytes_per_host=100)
+    a, a2, b = _Conn(), _Conn(), _Conn("10.0.0.2")
+    assert _subscribed(clients, a, "G1", 10) == (["G1"], 0, [], [])          # 60 bytes
+    assert _subscribed(clients, a2, "G2", 10) == ([], 0, [], ["G2"])         # 120 from one address: refused
+    assert "G2" not in clients.consumers
+    assert _subscribed(clients, b, "G2", 2)[3] == []                          # another address has its own room
+    assert _subscribed(clients, a, "G1", 16)[3] == []                         # growing its own within the limit
+    assert _subscribed(clients, a, "G1", 17)[3] == ["G1"]                     # past it: kept as it was
+    assert len(clients.consumers["G1"].subscriptions) == 16 and clients.consumer_ids("G1") == ["c"]
+    assert _subscribed(clients, a, "G1", 2)[3] == []                          # shrinking: always
+    assert _subscribed(clients, a2, "G3", 14) == (["G3"], 0, [], [])         # 12 + 84
+    clients.connection_closed(a2)                                             # G3 gone: its 84 bytes back
+    assert _subscribed(clients, a, "G4", 14)[3] == []
+    assert _subscribed(clients, b, "G4", 14)[3] == []                         # b set G4's: a's room back
+    assert _subscribed(clients, a, "G5", 14)[3] == []
+    assert clients._sub_bytes_by_host == {"10.0.0.1": 12 + 84, "10.0.0.2": 12 + 84}
