@@ -65,6 +65,7 @@ class Subscription:
     expression_type: str = "TAG"
     selector: Selector | None = None     # SQL92: the parsed expression (RocketMQ's ConsumerFilterData)
     filter_error: str | None = None      # not a TAG subscription, and why it has no selector
+    text_bytes: int = 0                  # its heartbeat entry's text, as max_subscription_bytes counts it
 
     @property
     def matches_all(self) -> bool:
@@ -289,9 +290,28 @@ def _subscription_bytes(consumer: dict) -> int:
     subs = consumer["subscriptionDataSet"]
     if subs is None:
         return 1 << 62
-    return sum(max(1, len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or ""))
-               + sum(max(1, len(t or "")) for t in s["tagsSet"]) + 8 * len(s["codeSet"])
-               for s in subs)
+    return sum(map(_entry_bytes, subs))
+
+
+def _entry_bytes(s: dict) -> int:
+    return (max(1, len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or ""))
+            + sum(max(1, len(t or "")) for t in s["tagsSet"]) + 8 * len(s["codeSet"]))
+
+
+def _kept_bytes(group, consumer: dict, size: int) -> int:
+    """``size``, the text of a typed consumer entry's subscriptions, with each one ``group`` keeps in its place for
+    its newer subVersion (_register_consumer) weighed as kept: charged the heartbeat's text, one address set a
+    group's expressions big at a far-future subVersion, sent them "*" at subVersion 1 (kept big, charged 5 bytes)
+    and went on to the next group, none of it within max_subscription_bytes_per_host. A kept one weighs what the
+    heartbeat that set it did (Subscription.text_bytes)."""
+    kept = group.subscriptions if group is not None else None
+    if not kept or not consumer["subscriptionDataSet"]:
+        return size
+    for s in consumer["subscriptionDataSet"]:
+        old = kept.get(s["topic"]) if s["topic"] else None
+        if old is not None and old.sub_version > (s["subVersion"] or 0):
+            size += old.text_bytes - _entry_bytes(s)
+    return size
 
 
 def _list(value, what: str) -> list:
@@ -432,8 +452,13 @@ class ClientRegistry:
             group = self.consumers.get(consumer["groupName"])
             member = group is not None and group.channels.get(conn)
             size = _subscription_bytes(consumer)
-            if size > self.max_subscription_bytes or not self._subscription_room(host, group, consumer, size):
-                (oversized if size > self.max_subscription_bytes else crowded).append(consumer["groupName"])
+            if size <= self.max_subscription_bytes:
+                size = _kept_bytes(group, consumer, size)      # what the group will hold, charged as that
+                past = None if self._subscription_room(host, group, consumer, size) else crowded
+            else:
+                past = oversized
+            if past is not None:
+                past.append(consumer["groupName"])
                 if member:
                     member.last_seen_ms = now
                 continue
@@ -560,13 +585,14 @@ class ClientRegistry:
             codes = sub.get("codeSet") or []
             tags = sub.get("tagsSet") or []
             if (codes or tags) and is_tag_type(sub.get("expressionType")):
-                group.subscriptions[topic] = Subscription(
+                kept = Subscription(
                     topic, sub.get("subString") or "*", frozenset(tags),
                     frozenset(int(c) for c in codes) or frozenset(java_string_hash(t) for t in tags), version,
                     sub.get("expressionType") or "TAG")
             else:
-                group.subscriptions[topic] = build_subscription(topic, sub.get("subString"), version,
-                                                                sub.get("expressionType") or "TAG")
+                kept = build_subscription(topic, sub.get("subString"), version, sub.get("expressionType") or "TAG")
+            kept.text_bytes = _entry_bytes(sub)
+            group.subscriptions[topic] = kept
         for topic in list(group.subscriptions):
             if topic not in topics and topics:
                 del group.subscriptions[topic]

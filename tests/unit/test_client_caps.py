@@ -179,3 +179,25 @@ def test_the_groups_one_address_subscribes_hold_at_most_max_subscription_bytes_p
     assert _subscribed(clients, b, "G4", 14)[3] == []                         # b set G4's: a's room back
     assert _subscribed(clients, a, "G5", 14)[3] == []
     assert clients._sub_bytes_by_host == {"10.0.0.1": 12 + 84, "10.0.0.2": 12 + 84}
+
+
+def _versioned(clients, conn, group: str, expression: str, version: int):
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": group, "subscriptionDataSet": [
+        {"topic": "T", "subString": expression, "subVersion": version}]}]}
+    return clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))
+
+
+def test_a_subscription_kept_for_its_newer_sub_version_stays_charged_at_what_is_kept():
+    """A heartbeat whose subscription is older (subVersion) than the one kept leaves the kept one in place
+    (ConsumerGroupInfo.updateSubscription), yet the group was charged the heartbeat's text: one address set a group's
+    expression big at a far-future subVersion, then sent it "*" at subVersion 1, charged 5 bytes for the 900 kept,
+    and went on to the next group, every one of them within max_subscription_bytes_per_host whatever it held."""
+    clients = ClientRegistry(lambda: 0, max_subscription_bytes_per_host=1000)
+    a = _Conn()
+    big = "||".join(f"tag{i:04d}" for i in range(100))      # 898 characters
+    assert _versioned(clients, a, "G1", big, 1 << 60)[3] == []
+    assert _versioned(clients, a, "G1", "*", 1)[3] == []      # stale: not refused, the big one kept
+    assert clients.consumers["G1"].subscriptions["T"].sub_string == big
+    assert _versioned(clients, a, "G2", big, 1 << 60)[3] == ["G2"]
+    assert "G2" not in clients.consumers
+    assert clients._sub_bytes_by_host["10.0.0.1"] >= len(big)
