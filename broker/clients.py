@@ -298,6 +298,11 @@ def _entry_bytes(s: dict) -> int:
             + sum(max(1, len(t or "")) for t in s["tagsSet"]) + 8 * len(s["codeSet"]))
 
 
+def _held_bytes(group) -> int:
+    """The text ``group``'s subscriptions hold, as their heartbeats weighed it."""
+    return sum(s.text_bytes for s in group.subscriptions.values())
+
+
 def _kept_bytes(group, consumer: dict, size: int) -> int:
     """``size``, the text of a typed consumer entry's subscriptions, with each one ``group`` keeps in its place for
     its newer subVersion (_register_consumer) weighed as kept: charged the heartbeat's text, one address set a
@@ -307,6 +312,8 @@ def _kept_bytes(group, consumer: dict, size: int) -> int:
     kept = group.subscriptions if group is not None else None
     if not kept or not consumer["subscriptionDataSet"]:
         return size
+    if not any(s["topic"] for s in consumer["subscriptionDataSet"]):
+        return _held_bytes(group)       # kept as they are, all of them (_register_consumer)
     for s in consumer["subscriptionDataSet"]:
         old = kept.get(s["topic"]) if s["topic"] else None
         if old is not None and old.sub_version > (s["subVersion"] or 0):
@@ -415,7 +422,7 @@ class ClientRegistry:
         self._requests: OrderedDict[str, tuple[object, int]] = OrderedDict()
 
     # ------------------------------------------------------------ heartbeat
-    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
+    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str], list[str]]:
         """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, how
         many groups were not joined for max_groups_per_host (the groups it is in already are renewed all the
         same: a client at the limit keeps what it has), the consumer groups whose subscriptions were past
@@ -468,7 +475,8 @@ class ClientRegistry:
             if self._register_consumer(conn, client_id, cmd, consumer, now):
                 changed.append(consumer["groupName"])
             if consumer["subscriptionDataSet"]:     # (none named: the group keeps its own, charged as they were)
-                self._charge(self.consumers[consumer["groupName"]], host, size)
+                group = self.consumers[consumer["groupName"]]
+                self._charge(group, host, _held_bytes(group))     # what it holds: a topic named twice once
         conn.attributes["client_id"] = client_id
         return changed, refused, oversized, crowded
 

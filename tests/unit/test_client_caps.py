@@ -201,3 +201,18 @@ def test_a_subscription_kept_for_its_newer_sub_version_stays_charged_at_what_is_
     assert _versioned(clients, a, "G2", big, 1 << 60)[3] == ["G2"]
     assert "G2" not in clients.consumers
     assert clients._sub_bytes_by_host["10.0.0.1"] >= len(big)
+
+
+def test_a_heartbeat_naming_no_topic_leaves_the_group_charged_what_it_keeps():
+    """A heartbeat whose subscriptions all name no topic leaves the group's as they were (_register_consumer
+    drops a topic only for one that names others), yet the group was charged its few bytes: the kept 898 went
+    uncounted, and the address set the next group's as big, and the next."""
+    clients = ClientRegistry(lambda: 0, max_subscription_bytes_per_host=1000)
+    a = _Conn()
+    big = "||".join(f"tag{i:04d}" for i in range(100))
+    assert _versioned(clients, a, "G1", big, 1)[3] == []
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": "G1", "subscriptionDataSet": [
+        {"topic": "", "subString": "*"}]}]}
+    assert clients.heartbeat(a, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))[3] == []
+    assert clients.consumers["G1"].subscriptions["T"].sub_string == big
+    assert _versioned(clients, a, "G2", big, 1)[3] == ["G2"]
