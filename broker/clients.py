@@ -460,10 +460,11 @@ class ClientRegistry:
             member = group is not None and group.channels.get(conn)
             size = _subscription_bytes(consumer)
             if size <= self.max_subscription_bytes:
-                size = _kept_bytes(group, consumer, size)      # what the group will hold, charged as that
-                past = None if self._subscription_room(host, group, consumer, size) else crowded
-            else:
+                size = _kept_bytes(group, consumer, size)      # what the group will hold, weighed as that
+            if size > self.max_subscription_bytes:
                 past = oversized
+            else:
+                past = None if self._subscription_room(host, group, consumer, size) else crowded
             if past is not None:
                 past.append(consumer["groupName"])
                 if member:

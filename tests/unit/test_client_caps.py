@@ -216,3 +216,17 @@ def test_a_heartbeat_naming_no_topic_leaves_the_group_charged_what_it_keeps():
     assert clients.heartbeat(a, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))[3] == []
     assert clients.consumers["G1"].subscriptions["T"].sub_string == big
     assert _versioned(clients, a, "G2", big, 1)[3] == ["G2"]
+
+
+def test_a_group_holds_at_most_max_subscription_bytes_with_the_subscriptions_kept_for_their_sub_version():
+    """max_subscription_bytes weighed the heartbeat's text, not what the group would hold: its topics kept for a
+    newer subVersion sent again as "*" weighed a few bytes each, and each heartbeat added as much again, the group
+    growing past the limit by its size a heartbeat."""
+    clients = ClientRegistry(lambda: 0, max_subscription_bytes=1000)
+    a = _Conn()
+    big = "||".join(f"tag{i:04d}" for i in range(100))      # 898 characters
+    assert _versioned(clients, a, "G1", big, 1 << 60)[2] == []
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": "G1", "subscriptionDataSet": [
+        {"topic": "T", "subString": "*", "subVersion": 1}, {"topic": "U", "subString": big, "subVersion": 1}]}]}
+    assert clients.heartbeat(a, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))[2] == ["G1"]
+    assert list(clients.consumers["G1"].subscriptions) == ["T"]
