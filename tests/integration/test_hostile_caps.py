@@ -337,6 +337,27 @@ async def test_the_groups_one_address_subscribes_hold_at_most_max_subscription_b
     assert "max_subscription_bytes_per_host" in broker.log()
 
 
+@bounded(60)
+async def test_a_group_is_charged_what_it_keeps_not_a_stale_heartbeats_text(broker_factory):
+    """Charged the heartbeat's text, an address set a group's expression big at a far-future subVersion, sent it
+    "*" at subVersion 1 (kept big: ConsumerGroupInfo.updateSubscription, charged 5 bytes) and went on to the next
+    group, past max_subscription_bytes_per_host unsaid. The group is charged what it keeps."""
+    broker = broker_factory("--max-subscription-bytes-per-host", "2000")
+    client = await RawClient.open(broker.broker)
+    try:
+        big = "||".join(f"tag{i:04d}" for i in range(200))     # 1,798 characters
+        for group, expression, version, code in (("G1", big, 1 << 60, C.SUCCESS), ("G1", "*", 1, C.SUCCESS),
+                                                 ("G2", big, 1 << 60, C.SYSTEM_BUSY)):
+            body = _heartbeat("c1", group)
+            body["consumerDataSet"][0]["subscriptionDataSet"] = [
+                {"topic": "T", "subString": expression, "subVersion": version}]
+            reply = await _call(client, R.HEART_BEAT, body)
+            assert reply.code == code, (group, expression[:10], reply.remark)
+        assert await _consumers(client, "G2") == []
+    finally:
+        client.close()
+
+
 async def test_a_heartbeat_past_max_heartbeat_bytes_is_not_read_and_renews_its_groups(broker_factory):
     """A heartbeat body is one JSON document parsed on the loop in one go: 15 MB held every other client 0.6-2 s
     a heartbeat, back to back up to 4.8 s (bench/bench_heartbeat_hold.py). One past max_heartbeat_bytes (4 MiB) is
