@@ -377,8 +377,9 @@ class ClientRegistry:
         # at most this: each group kept what its last heartbeat said, so one frame (16 MiB) a group.
         self.max_subscription_bytes = max_subscription_bytes
         # ... and all the groups whose subscriptions one remote address's heartbeats set, at most this: a group's
-        # are kept as up to some 40 times their text (256 KiB of 37,000 topics: 10 MB), and one address heartbeating
-        # groups at the limit above, up to max_groups_per_host of them, could make the broker keep 80 GB.
+        # are kept as up to some 40 times their text (256 KiB of 37,000 topics: 10 MB), and one address
+        # heartbeating groups at the limit above, up to max_groups_per_host of them, could make the broker keep
+        # 80 GB. Each group is charged what it holds (_held_bytes), not what the last heartbeat said.
         self.max_subscription_bytes_per_host = max_subscription_bytes_per_host
         self._sub_bytes_by_host: dict[str, int] = {}
         # Group registrations (a connection in a producer or consumer group) from one remote address, at most
