@@ -21,6 +21,7 @@ from protocol.message import (JAVA_TRIMMED, MAX_CLIENT_ID_LENGTH, Prop, java_str
                               validate_group)
 
 from .limits import EveryKey, count_down, peer_host
+from .sql92 import MAX_LENGTH as MAX_EXPRESSION_LENGTH
 from .sql92 import Selector, SelectorError, compile_cached
 from .topics import RETRY_PREFIX
 
@@ -64,6 +65,7 @@ class Subscription:
     expression_type: str = "TAG"
     selector: Selector | None = None     # SQL92: the parsed expression (RocketMQ's ConsumerFilterData)
     filter_error: str | None = None      # not a TAG subscription, and why it has no selector
+    text_bytes: int = 0                  # its heartbeat entry's text, as max_subscription_bytes counts it
 
     @property
     def matches_all(self) -> bool:
@@ -98,6 +100,14 @@ def build_subscription(topic: str, expression: str | None, sub_version: int = 0,
     # FilterAPI.buildSubscriptionData: "*" and "" alone are every message; " * " is the tag "*" (its hash 42).
     if expression is None or expression in ("", "*"):
         return Subscription(topic, "*", sub_version=sub_version, expression_type=expression_type)
+    if len(expression) > MAX_EXPRESSION_LENGTH:
+        # As an SQL92 one (sql92.MAX_LENGTH): a pull carrying its expression has it parsed and every tag hashed
+        # (a Python loop a character) on the loop, at every pull. 200 pulls of a 253 KiB one, pipelined, held
+        # the loop 14.8 s and another client's request up to 4.8 s, where the same headers without it took
+        # 0.25 s. A stock push consumer's heartbeat gives its tags and codes, not this.
+        return Subscription(topic, expression, sub_version=sub_version, expression_type=expression_type,
+                            filter_error=f"the TAG expression is {len(expression)} characters long, more than "
+                                         f"{MAX_EXPRESSION_LENGTH}")
     # Each tag as Java's trim leaves it (str.strip also took U+3000, U+00A0: a tag's own end, its hash another's).
     # Inline, spaces first (every lite pull builds this): the control chars only when an end still has one.
     tags = []
@@ -161,6 +171,10 @@ class ConsumerGroup:
     consume_type: str = "CONSUME_PASSIVELY"
     message_model: str = "CLUSTERING"
     consume_from_where: str = "CONSUME_FROM_LAST_OFFSET"
+    # the remote address whose heartbeat last set the subscriptions, charged their text (_subscription_bytes)
+    # under max_subscription_bytes_per_host until another's sets them or nobody is in the group
+    sub_host: str | None = None
+    sub_bytes: int = 0
 
 
 class _Slices:
@@ -276,9 +290,35 @@ def _subscription_bytes(consumer: dict) -> int:
     subs = consumer["subscriptionDataSet"]
     if subs is None:
         return 1 << 62
-    return sum(max(1, len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or ""))
-               + sum(max(1, len(t or "")) for t in s["tagsSet"]) + 8 * len(s["codeSet"])
-               for s in subs)
+    return sum(map(_entry_bytes, subs))
+
+
+def _entry_bytes(s: dict) -> int:
+    return (max(1, len(s["topic"] or "") + len(s["subString"] or "") + len(s["expressionType"] or ""))
+            + sum(max(1, len(t or "")) for t in s["tagsSet"]) + 8 * len(s["codeSet"]))
+
+
+def _held_bytes(group) -> int:
+    """The text ``group``'s subscriptions hold, as their heartbeats weighed it."""
+    return sum(s.text_bytes for s in group.subscriptions.values())
+
+
+def _kept_bytes(group, consumer: dict, size: int) -> int:
+    """``size``, the text of a typed consumer entry's subscriptions, with each one ``group`` keeps in its place for
+    its newer subVersion (_register_consumer) weighed as kept: charged the heartbeat's text, one address set a
+    group's expressions big at a far-future subVersion, sent them "*" at subVersion 1 (kept big, charged 5 bytes)
+    and went on to the next group, none of it within max_subscription_bytes_per_host. A kept one weighs what the
+    heartbeat that set it did (Subscription.text_bytes)."""
+    kept = group.subscriptions if group is not None else None
+    if not kept or not consumer["subscriptionDataSet"]:
+        return size
+    if not any(s["topic"] for s in consumer["subscriptionDataSet"]):
+        return _held_bytes(group)       # kept as they are, all of them (_register_consumer)
+    for s in consumer["subscriptionDataSet"]:
+        old = kept.get(s["topic"]) if s["topic"] else None
+        if old is not None and old.sub_version > (s["subVersion"] or 0):
+            size += old.text_bytes - _entry_bytes(s)
+    return size
 
 
 def _list(value, what: str) -> list:
@@ -330,11 +370,18 @@ RESTORED = _Restored()
 
 
 class ClientRegistry:
-    def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62):
+    def __init__(self, clock, max_groups_per_host: int = 1 << 30, max_subscription_bytes: int = 1 << 62,
+                 max_subscription_bytes_per_host: int = 1 << 62):
         self.clock = clock
         # A consumer group's subscriptions as a heartbeat gave them (topics, expressions, tags), in bytes of text,
         # at most this: each group kept what its last heartbeat said, so one frame (16 MiB) a group.
         self.max_subscription_bytes = max_subscription_bytes
+        # ... and all the groups whose subscriptions one remote address's heartbeats set, at most this: a group's
+        # are kept as up to some 40 times their text (256 KiB of 37,000 topics: 10 MB), and one address
+        # heartbeating groups at the limit above, up to max_groups_per_host of them, could make the broker keep
+        # 80 GB. Each group is charged what it holds (_held_bytes), not what the last heartbeat said.
+        self.max_subscription_bytes_per_host = max_subscription_bytes_per_host
+        self._sub_bytes_by_host: dict[str, int] = {}
         # Group registrations (a connection in a producer or consumer group) from one remote address, at most
         # max_groups_per_host: group names cost a client nothing, and one connection heartbeating made-up names
         # grew the broker by some 40 MB a second for as long as it went on.
@@ -376,11 +423,12 @@ class ClientRegistry:
         self._requests: OrderedDict[str, tuple[object, int]] = OrderedDict()
 
     # ------------------------------------------------------------ heartbeat
-    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str]]:
+    def heartbeat(self, conn, cmd: RemotingCommand) -> tuple[list[str], int, list[str], list[str]]:
         """Register what a HEART_BEAT body says; returns the consumer groups whose membership changed, how
         many groups were not joined for max_groups_per_host (the groups it is in already are renewed all the
-        same: a client at the limit keeps what it has), and the consumer groups whose subscriptions were past
-        max_subscription_bytes (neither joined nor changed; a member stays one)."""
+        same: a client at the limit keeps what it has), the consumer groups whose subscriptions were past
+        max_subscription_bytes, and those whose subscriptions would have put the address past
+        max_subscription_bytes_per_host (neither joined nor changed; a member stays one)."""
         return _run(self.heartbeat_steps(conn, cmd))
 
     def heartbeat_steps(self, conn, cmd: RemotingCommand):
@@ -398,6 +446,8 @@ class ClientRegistry:
         changed = []
         refused = 0
         oversized = []
+        crowded = []        # past max_subscription_bytes_per_host
+        host = peer_host(conn)
         for n, group in enumerate(producers, 1):
             if not n % HEARTBEAT_SLICE:
                 yield
@@ -409,8 +459,15 @@ class ClientRegistry:
                 yield
             group = self.consumers.get(consumer["groupName"])
             member = group is not None and group.channels.get(conn)
-            if _subscription_bytes(consumer) > self.max_subscription_bytes:
-                oversized.append(consumer["groupName"])
+            size = _subscription_bytes(consumer)
+            if size <= self.max_subscription_bytes:
+                size = _kept_bytes(group, consumer, size)      # what the group will hold, weighed as that
+            if size > self.max_subscription_bytes:
+                past = oversized
+            else:
+                past = None if self._subscription_room(host, group, consumer, size) else crowded
+            if past is not None:
+                past.append(consumer["groupName"])
                 if member:
                     member.last_seen_ms = now
                 continue
@@ -419,8 +476,34 @@ class ClientRegistry:
                 continue
             if self._register_consumer(conn, client_id, cmd, consumer, now):
                 changed.append(consumer["groupName"])
+            if consumer["subscriptionDataSet"]:     # (none named: the group keeps its own, charged as they were)
+                group = self.consumers[consumer["groupName"]]
+                self._charge(group, host, _held_bytes(group))     # what it holds: a topic named twice once
         conn.attributes["client_id"] = client_id
-        return changed, refused, oversized
+        return changed, refused, oversized, crowded
+
+    def _subscription_room(self, host: str, group, consumer: dict, size: int) -> bool:
+        """Whether ``host`` may set ``group``'s subscriptions to ``consumer``'s (``size`` bytes of text) within
+        max_subscription_bytes_per_host. One that does not add to what it is charged always may (a host past a
+        limit lowered since keeps, renews and shrinks what it has)."""
+        if not consumer["subscriptionDataSet"]:
+            return True
+        mine = group.sub_bytes if group is not None and group.sub_host == host else 0
+        if size <= mine:
+            return True
+        return self._sub_bytes_by_host.get(host, 0) - mine + size <= self.max_subscription_bytes_per_host
+
+    def _charge(self, group, host: str | None, size: int) -> None:
+        """Charge ``group``'s subscriptions, ``size`` bytes, to ``host`` (None: to nobody, the group gone)."""
+        if group.sub_host is not None:
+            left = self._sub_bytes_by_host.get(group.sub_host, 0) - group.sub_bytes
+            if left > 0:
+                self._sub_bytes_by_host[group.sub_host] = left
+            else:
+                self._sub_bytes_by_host.pop(group.sub_host, None)
+        group.sub_host, group.sub_bytes = host, size
+        if host is not None:
+            self._sub_bytes_by_host[host] = self._sub_bytes_by_host.get(host, 0) + size
 
     def renew(self, conn) -> int:
         """Mark every group ``conn`` is in as heard from now (a heartbeat whose body is not read); returns how many."""
@@ -512,13 +595,14 @@ class ClientRegistry:
             codes = sub.get("codeSet") or []
             tags = sub.get("tagsSet") or []
             if (codes or tags) and is_tag_type(sub.get("expressionType")):
-                group.subscriptions[topic] = Subscription(
+                kept = Subscription(
                     topic, sub.get("subString") or "*", frozenset(tags),
                     frozenset(int(c) for c in codes) or frozenset(java_string_hash(t) for t in tags), version,
                     sub.get("expressionType") or "TAG")
             else:
-                group.subscriptions[topic] = build_subscription(topic, sub.get("subString"), version,
-                                                                sub.get("expressionType") or "TAG")
+                kept = build_subscription(topic, sub.get("subString"), version, sub.get("expressionType") or "TAG")
+            kept.text_bytes = _entry_bytes(sub)
+            group.subscriptions[topic] = kept
         for topic in list(group.subscriptions):
             if topic not in topics and topics:
                 del group.subscriptions[topic]
@@ -586,6 +670,7 @@ class ClientRegistry:
         for name in list(self.consumers) if consumer_groups is None else consumer_groups:
             group = self.consumers.get(name)
             if group is not None and not group.channels:
+                self._charge(group, None, 0)
                 del self.consumers[name]
 
     def connection_closed(self, conn) -> list[str]:

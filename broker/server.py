@@ -149,7 +149,7 @@ class BrokerServer:
         store_dir = os.path.abspath(c.store_dir)
         os.makedirs(store_dir, exist_ok=True)
         clients = ClientRegistry(monotonic_ms, c.max_groups_per_host,     # liveness, queue locks: not the wall clock
-                                 c.max_subscription_bytes_per_group)
+                                 c.max_subscription_bytes_per_group, c.max_subscription_bytes_per_host)
         topics = TopicManager(os.path.join(store_dir, "config"), auto_create=c.auto_create_topic,
                               default_queue_nums=c.default_topic_queue_nums, cluster=c.cluster_name,
                               broker=c.broker_name, max_retry_groups=c.max_retry_groups,

@@ -105,11 +105,11 @@ async def _heart_beat_in_slices(ctx, conn, cmd):
 
 
 def _heart_beat_done(ctx, conn, cmd, outcome):
-    changed, refused, oversized = outcome
+    changed, refused, oversized, crowded = outcome
     _notify(ctx, changed)
     # The halves this connection sent before its first heartbeat are its now: answered once that is recorded.
     naming = ctx.tx.connection_named(conn) if ctx.tx is not None else None
-    response = _heartbeat_answer(ctx, conn, cmd, refused, oversized)
+    response = _heartbeat_answer(ctx, conn, cmd, refused, oversized, crowded)
     return response if naming is None else _once(naming, response)
 
 
@@ -118,9 +118,9 @@ async def _once(writing, response):
     return response
 
 
-def _heartbeat_answer(ctx, conn, cmd, refused: int, oversized: list):
+def _heartbeat_answer(ctx, conn, cmd, refused: int, oversized: list, crowded: list):
     clients = ctx.clients
-    if not refused and not oversized:
+    if not refused and not oversized and not crowded:
         return cmd.response(ResponseCode.SUCCESS)
     # The groups it is in were renewed; a stock client logs the failed heartbeat and sends the next one as ever.
     peer = getattr(conn, "peer", ("?", 0))
@@ -129,16 +129,21 @@ def _heartbeat_answer(ctx, conn, cmd, refused: int, oversized: list):
         why.append(f"{refused} groups not joined: the connections from {peer[0]} are in "
                    f"{clients.max_groups_per_host} groups, the limit (max_groups_per_host); the groups already "
                    f"joined are renewed")
-    if oversized:
-        why.append(f"consumer groups {', '.join(oversized[:5])}{' ...' if len(oversized) > 5 else ''} not joined "
-                   f"nor changed: their subscriptions are past max_subscription_bytes_per_group="
-                   f"{clients.max_subscription_bytes}")
+    for groups, past in ((oversized, f"their subscriptions are past max_subscription_bytes_per_group="
+                                     f"{clients.max_subscription_bytes}"),
+                         (crowded, f"their subscriptions would put the groups {peer[0]} set past "
+                                   f"max_subscription_bytes_per_host={clients.max_subscription_bytes_per_host}")):
+        if groups:
+            why.append(f"consumer groups {', '.join(groups[:5])}{' ...' if len(groups) > 5 else ''} not joined "
+                       f"nor changed: {past}")
     why = "; ".join(why)
     warning = f"HEART_BEAT from {peer[0]}:{peer[1]}: {why:.1000}"
-    if refused:
-        ctx.limits.refused("group-limit", warning)
-    if oversized:       # (said once: with the line above, when there was one)
-        ctx.limits.refused("subscription-limit", None if refused else warning)
+    said = False    # the line is said once, with the first reason counted
+    for reason, count in (("group-limit", refused), ("subscription-limit", oversized),
+                          ("subscription-host-limit", crowded)):
+        if count:
+            ctx.limits.refused(reason, None if said else warning)
+            said = True
     return cmd.response(ResponseCode.SYSTEM_BUSY, why[:2000])
 
 

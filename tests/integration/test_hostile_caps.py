@@ -302,6 +302,62 @@ async def test_a_consumer_group_past_max_subscription_bytes_is_not_joined(broker
         client.close()
 
 
+@bounded(60)
+async def test_the_groups_one_address_subscribes_hold_at_most_max_subscription_bytes_per_host(broker_factory):
+    """Each group's subscriptions were capped (max_subscription_bytes_per_group, 256 KiB) but not the groups': a
+    group at the cap is kept as some 8.3 MB (37,000 topics), and one address heartbeating group after group (up
+    to max_groups_per_host, 10,000) could make the broker keep 80 GB. The groups whose subscriptions an address
+    set hold at most max_subscription_bytes_per_host together: past it a group is not joined (SYSTEM_BUSY naming
+    the limit, counted), from any of its connections; another address has its own room, and a group nobody is
+    in any more gives its room back."""
+    broker = broker_factory("--max-subscription-bytes-per-host", "2000")
+    first, second = await RawClient.open(broker.broker), await RawClient.open(broker.broker)
+    try:
+        subscribed = []
+        for client, group in ((first, "G_first"), (second, "G_second")):
+            body = _heartbeat("c1", group)
+            body["consumerDataSet"][0]["subscriptionDataSet"] = [
+                {"topic": f"Topic{i:03d}", "subString": "*", "subVersion": 1} for i in range(200)]     # 1,800 bytes
+            subscribed.append((client, body))
+            reply = await _call(client, R.HEART_BEAT, body)
+        assert reply.code == C.SYSTEM_BUSY and "max_subscription_bytes_per_host=2000" in reply.remark, reply.remark
+        assert await _consumers(second, "G_first") == ["c1"]
+        assert await _consumers(second, "G_second") == []
+        assert (await _call(first, R.HEART_BEAT, subscribed[0][1])).code == C.SUCCESS      # renewed as ever
+        first.close()
+        await _until_forgotten(second, "G_first")
+        assert (await _call(second, R.HEART_BEAT, subscribed[1][1])).code == C.SUCCESS
+        assert await _consumers(second, "G_second") == ["c1"]
+    finally:
+        first.close()
+        second.close()
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+    assert 'txmq_requests_refused_total{reason="subscription-host-limit"} 1.0' in text
+    assert "max_subscription_bytes_per_host" in broker.log()
+
+
+@bounded(60)
+async def test_a_group_is_charged_what_it_keeps_not_a_stale_heartbeats_text(broker_factory):
+    """Charged the heartbeat's text, an address set a group's expression big at a far-future subVersion, sent it
+    "*" at subVersion 1 (kept big: ConsumerGroupInfo.updateSubscription, charged 5 bytes) and went on to the next
+    group, past max_subscription_bytes_per_host unsaid. The group is charged what it keeps."""
+    broker = broker_factory("--max-subscription-bytes-per-host", "2000")
+    client = await RawClient.open(broker.broker)
+    try:
+        big = "||".join(f"tag{i:04d}" for i in range(200))     # 1,798 characters
+        for group, expression, version, code in (("G1", big, 1 << 60, C.SUCCESS), ("G1", "*", 1, C.SUCCESS),
+                                                 ("G2", big, 1 << 60, C.SYSTEM_BUSY)):
+            body = _heartbeat("c1", group)
+            body["consumerDataSet"][0]["subscriptionDataSet"] = [
+                {"topic": "T", "subString": expression, "subVersion": version}]
+            reply = await _call(client, R.HEART_BEAT, body)
+            assert reply.code == code, (group, expression[:10], reply.remark)
+        assert await _consumers(client, "G2") == []
+    finally:
+        client.close()
+
+
 async def test_a_heartbeat_past_max_heartbeat_bytes_is_not_read_and_renews_its_groups(broker_factory):
     """A heartbeat body is one JSON document parsed on the loop in one go: 15 MB held every other client 0.6-2 s
     a heartbeat, back to back up to 4.8 s (bench/bench_heartbeat_hold.py). One past max_heartbeat_bytes (4 MiB) is

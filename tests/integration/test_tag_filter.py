@@ -164,6 +164,26 @@ async def test_an_expression_of_no_tag_is_refused_and_one_of_the_tag_star_is_tha
 
 
 @bounded(30)
+async def test_a_pulls_tag_expression_past_the_sql92_length_is_refused_unparsed(broker):
+    """A pull carrying its TAG expression (a lite pull consumer's) had it split and every tag hashed, a Python
+    loop a character, on the event loop at every pull, whatever its length: 200 pulls of a 253 KiB one pipelined
+    held the loop 14.8 s and another client's request up to 4.8 s (the same headers without it: 0.25 s). One past
+    16 KiB, the length an SQL92 one may have, is refused SUBSCRIPTION_PARSE_FAILED naming it, counted; one at it
+    is read as ever."""
+    conn = await open_connection(*_hostport(broker.broker))
+    try:
+        await _send(conn, "A", b"m")
+        at_limit = " || ".join(["A"] + [f"t{i:05d}" for i in range(2047)])[:16 * 1024]
+        assert await _pulled(conn, at_limit) == ["A"]
+        reply = await _pull(conn, "CG_tags", at_limit + "||B")
+        assert reply.code == ResponseCode.SUBSCRIPTION_PARSE_FAILED, (reply.code, reply.remark)
+        assert "more than 16384" in reply.remark, reply.remark
+        assert _refused(broker, "tag-expression") == 1
+    finally:
+        conn.close()
+
+
+@bounded(30)
 async def test_a_push_consumer_subscribed_to_no_tag_is_refused_its_messages_kept(broker):
     """A stock push consumer that subscribes " " (an unset tag in its configuration) sends it in its heartbeat with
     no tag and no code, and pulls without it. 4.9.8 matches no message with it (ExpressionMessageFilter:77-81) and

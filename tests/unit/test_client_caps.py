@@ -46,10 +46,10 @@ def test_every_departure_gives_the_room_back():
 def test_a_group_past_max_subscription_bytes_is_not_joined_but_a_member_stays_one():
     clients = ClientRegistry(lambda: 0, max_subscription_bytes=100)
     conn = _Conn()
-    assert _beat(clients, conn, "G") == (["G"], 0, [])
+    assert _beat(clients, conn, "G") == (["G"], 0, [], [])
     body = {"consumerDataSet": [{"groupName": "G", "subscriptionDataSet": [
         {"topic": f"Topic{i}", "subString": "*"} for i in range(50)]}]}
-    changed, _, oversized = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
+    changed, _, oversized, _ = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
                                                                             body=json.dumps(body).encode()))
     assert (changed, oversized) == ([], ["G"])
     assert clients.consumer_ids("G") == ["c"] and list(clients.consumers["G"].subscriptions) == ["T"]
@@ -78,7 +78,7 @@ def test_a_group_naming_more_tags_than_its_limit_holds_is_refused_before_they_ar
     conn = _Conn()
     body = {"clientID": "c", "consumerDataSet": [_tagged("G", ["a"] * 1500 + [["not", "a", "tag"]]),
                                                  _tagged("H", ["a"] * 10)]}
-    changed, _, oversized = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
+    changed, _, oversized, _ = clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT,
                                                                             body=json.dumps(body).encode()))
     assert (changed, oversized) == (["H"], ["G"])
     # and empty tags weigh a byte each: 1000 of them do not slip under the limit as nothing
@@ -117,7 +117,7 @@ def _yields_registering(clients, body, groups) -> int:
             next(steps)
             yields += 1
     except StopIteration as done:
-        changed, refused, oversized = done.value
+        changed, refused, oversized, _ = done.value
     assert sorted(changed) == sorted(f"G{i}" for i in range(groups)) and not refused and not oversized
     return yields
 
@@ -149,3 +149,84 @@ def test_a_heartbeat_of_long_sql92_expressions_lets_the_loop_run_between_its_gro
         for n in range(15)]} for i in range(groups)]}
     yields = _yields_registering(ClientRegistry(lambda: 0, max_subscription_bytes=256 * 1024), body, groups)
     assert yields >= 2 * (groups - 1), yields
+
+
+def _subscribed(clients, conn, group: str, topics: int):
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": group, "subscriptionDataSet": [
+        {"topic": f"T{i:04d}", "subString": "*"} for i in range(topics)]}]}     # 6 bytes a subscription
+    return clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))
+
+
+def test_the_groups_one_address_subscribes_hold_at_most_max_subscription_bytes_per_host():
+    """Each group's subscriptions, within max_subscription_bytes, are kept as some 32 times their text: one address
+    heartbeating group after group at that limit grew the broker by 8 MB a group, up to max_groups_per_host. The
+    groups whose subscriptions an address set are charged to it; a group past what it has left is neither joined
+    nor changed, a member renewed; the room comes back when the group goes or another address sets them."""
+    now = [0]
+    clients = ClientRegistry(lambda: now[0], max_subscription_bytes_per_host=100)
+    a, a2, b = _Conn(), _Conn(), _Conn("10.0.0.2")
+    assert _subscribed(clients, a, "G1", 10) == (["G1"], 0, [], [])          # 60 bytes
+    assert _subscribed(clients, a2, "G2", 10) == ([], 0, [], ["G2"])         # 120 from one address: refused
+    assert "G2" not in clients.consumers
+    assert _subscribed(clients, b, "G2", 2)[3] == []                          # another address has its own room
+    assert _subscribed(clients, a, "G1", 16)[3] == []                         # growing its own within the limit
+    assert _subscribed(clients, a, "G1", 17)[3] == ["G1"]                     # past it: kept as it was
+    assert len(clients.consumers["G1"].subscriptions) == 16 and clients.consumer_ids("G1") == ["c"]
+    assert _subscribed(clients, a, "G1", 2)[3] == []                          # shrinking: always
+    assert _subscribed(clients, a2, "G3", 14) == (["G3"], 0, [], [])         # 12 + 84
+    clients.connection_closed(a2)                                             # G3 gone: its 84 bytes back
+    assert _subscribed(clients, a, "G4", 14)[3] == []
+    assert _subscribed(clients, b, "G4", 14)[3] == []                         # b set G4's: a's room back
+    assert _subscribed(clients, a, "G5", 14)[3] == []
+    assert clients._sub_bytes_by_host == {"10.0.0.1": 12 + 84, "10.0.0.2": 12 + 84}
+
+
+def _versioned(clients, conn, group: str, expression: str, version: int):
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": group, "subscriptionDataSet": [
+        {"topic": "T", "subString": expression, "subVersion": version}]}]}
+    return clients.heartbeat(conn, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))
+
+
+def test_a_subscription_kept_for_its_newer_sub_version_stays_charged_at_what_is_kept():
+    """A heartbeat whose subscription is older (subVersion) than the one kept leaves the kept one in place
+    (ConsumerGroupInfo.updateSubscription), yet the group was charged the heartbeat's text: one address set a group's
+    expression big at a far-future subVersion, then sent it "*" at subVersion 1, charged 5 bytes for the 900 kept,
+    and went on to the next group, every one of them within max_subscription_bytes_per_host whatever it held."""
+    clients = ClientRegistry(lambda: 0, max_subscription_bytes_per_host=1000)
+    a = _Conn()
+    big = "||".join(f"tag{i:04d}" for i in range(100))      # 898 characters
+    assert _versioned(clients, a, "G1", big, 1 << 60)[3] == []
+    assert _versioned(clients, a, "G1", "*", 1)[3] == []      # stale: not refused, the big one kept
+    assert clients.consumers["G1"].subscriptions["T"].sub_string == big
+    assert _versioned(clients, a, "G2", big, 1 << 60)[3] == ["G2"]
+    assert "G2" not in clients.consumers
+    assert clients._sub_bytes_by_host["10.0.0.1"] >= len(big)
+
+
+def test_a_heartbeat_naming_no_topic_leaves_the_group_charged_what_it_keeps():
+    """A heartbeat whose subscriptions all name no topic leaves the group's as they were (_register_consumer
+    drops a topic only for one that names others), yet the group was charged its few bytes: the kept 898 went
+    uncounted, and the address set the next group's as big, and the next."""
+    clients = ClientRegistry(lambda: 0, max_subscription_bytes_per_host=1000)
+    a = _Conn()
+    big = "||".join(f"tag{i:04d}" for i in range(100))
+    assert _versioned(clients, a, "G1", big, 1)[3] == []
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": "G1", "subscriptionDataSet": [
+        {"topic": "", "subString": "*"}]}]}
+    assert clients.heartbeat(a, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))[3] == []
+    assert clients.consumers["G1"].subscriptions["T"].sub_string == big
+    assert _versioned(clients, a, "G2", big, 1)[3] == ["G2"]
+
+
+def test_a_group_holds_at_most_max_subscription_bytes_with_the_subscriptions_kept_for_their_sub_version():
+    """max_subscription_bytes weighed the heartbeat's text, not what the group would hold: its topics kept for a
+    newer subVersion sent again as "*" weighed a few bytes each, and each heartbeat added as much again, the group
+    growing past the limit by its size a heartbeat."""
+    clients = ClientRegistry(lambda: 0, max_subscription_bytes=1000)
+    a = _Conn()
+    big = "||".join(f"tag{i:04d}" for i in range(100))      # 898 characters
+    assert _versioned(clients, a, "G1", big, 1 << 60)[2] == []
+    body = {"clientID": "c", "consumerDataSet": [{"groupName": "G1", "subscriptionDataSet": [
+        {"topic": "T", "subString": "*", "subVersion": 1}, {"topic": "U", "subString": big, "subVersion": 1}]}]}
+    assert clients.heartbeat(a, RemotingCommand.request(R.HEART_BEAT, body=json.dumps(body).encode()))[2] == ["G1"]
+    assert list(clients.consumers["G1"].subscriptions) == ["T"]
