@@ -98,6 +98,7 @@ class BrokerServer:
         self.lock_file: LockFile | None = None
         self._metrics_httpd = None
         self.addresses: dict[str, str] = {}
+        self.starting = "reading the configuration"     # what start() is doing: said by a signal that ends it
         self.ctx: BrokerContext | None = None
         self.stopping = asyncio.Event()
         self.fatal: str | None = None
@@ -228,6 +229,7 @@ class BrokerServer:
         store.add_dispatch_listener(ctx.tx.on_dispatch, live=False)          # it keeps recovered commits only
         if not ha_roles.is_slave(c):     # a slave delivers nothing: its master does, and the copies replicate
             store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
+        self.starting = "recovering the store"
         report = await store.open()
         log.info("store open: %s", report)
         if report.queues_rebuilt:
@@ -240,6 +242,7 @@ class BrokerServer:
         slave = ha_roles.is_slave(c)
         if slave:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
+        self.starting = "opening the message index"
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
         if derived and topics.queue_total + c.default_topic_queue_nums > c.max_queues:
@@ -263,8 +266,10 @@ class BrokerServer:
                         "nothing (its commits are oneway): delete groups no longer used or raise --max-offsets",
                         ctx.offsets.count(), c.max_offsets)
         await _maybe_await(getattr(ctx.offsets, "open", None))
+        self.starting = "recovering transactions and the schedule"
         await ctx.tx.recover()
         await ctx.schedule.recover()
+        self.starting = "starting to serve"
         ctx.retention = Retention(ctx)
         if not slave:       # a slave writes nothing of its own: no checks or deliveries
             clients.on_new_producer = ctx.tx.producer_joined
@@ -309,6 +314,7 @@ class BrokerServer:
         if ha_addr:
             self.addresses["ha"] = ha_addr
         if c.namesrv_addrs:
+            self.starting = "registering with the name server"
             await self._start_registration(host, broker_port)
 
     async def _start_registration(self, host: str, broker_port: int) -> None:
@@ -1145,6 +1151,9 @@ async def _maybe_await(fn):
 async def serve(config: BrokerConfig) -> int:
     daemon_default_executor()      # a write that hangs must not keep the process from ending (saved.py)
     server = BrokerServer(config)
+    said = _ending_during_start(server)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, said)
     try:
         await server.start()
     except Exception as exc:  # noqa: BLE001 - start-up failures end the process with their reason
@@ -1170,6 +1179,26 @@ async def serve(config: BrokerConfig) -> int:
         log.info("signal received: stopping")
     await server.stop()
     return 1 if server.fatal else 0
+
+
+def _ending_during_start(server: BrokerServer):
+    """The handler of SIGTERM and SIGINT until the broker is ready: it says what was cut short, then ends the process
+    by the signal as before. Unhandled, a supervisor's stop during a long recovery ended it without a word (exit -15,
+    the log's last line the store's queues loaded): nobody knew the start had been stopped, not failed or hung, nor
+    that the next one begins its recovery again. A Python handler, not the loop's: recovery runs on the loop's
+    thread without a turn, and a loop handler would have held the stop until it ended (minutes for a big store).
+    Ending at once is safe: the start answered nothing yet, or only what a crash (kill -9) would keep."""
+    began = time.monotonic()
+
+    def said(signum, _frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        log.warning("%s during start-up (%s, %.0f s in): ending now, as after a crash; nothing acknowledged is "
+                    "lost, and the next start %s again. To stop a broker cleanly, wait for its LISTENING line",
+                    signal.Signals(signum).name, server.starting, time.monotonic() - began,
+                    "recovers the store" if server.starting == "recovering the store" else "runs its recovery")
+        logging.shutdown()
+        os.kill(os.getpid(), signum)
+    return said
 
 
 def start_failure(exc: BaseException, store_dir: str) -> str:

@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import urllib.request
 
 import pytest
@@ -13,6 +14,8 @@ from consumer import PullConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.errors import BrokerError
+from tests.support.broker_process import BrokerProcess
+from tests.support.hung_writes import hung_recovery_env, unblock
 
 pytestmark = pytest.mark.asyncio
 
@@ -167,3 +170,35 @@ async def test_a_queue_directory_removed_as_the_damage_error_advises_is_rebuilt_
     assert b2.stop() == 0
     log_text = (tmp_path / "store-broker.log").read_text(errors="replace")
     assert f"consume queues Zeroed-{mq.queue_id} (1 in all, named by queues) are missing" in log_text
+
+
+async def test_a_sigterm_while_the_store_recovers_says_so_and_the_next_start_loses_nothing(broker_factory, tmp_path):
+    """A supervisor's stop while start-up recovers the store (held there by a FIFO, as a big store's long recovery):
+    the process ended at once without a word, exit -15, its log's last line the queues loaded, so nobody knew the
+    start had been stopped, not failed or hung. It says so now (what it was doing, that the next start recovers
+    again), still ends at once, by the signal; the next start serves every message acknowledged before."""
+    b = broker_factory()
+    mq = await _send(b, 30)
+    b.kill()                                                # a crash: the next start has a log to recover
+    fifo = tmp_path / "hold-recovery"
+    os.mkfifo(fifo)
+    held = BrokerProcess(tmp_path / "store", env=hung_recovery_env(fifo))
+    before = held.log_path.read_bytes().count(b"consume queues of")     # the first broker's starts
+    held.launch()
+    try:
+        async with asyncio.timeout(30):                     # its queues loaded: recovery is next, or under way
+            while held.log_path.read_bytes().count(b"consume queues of") == before:
+                assert held.proc.poll() is None, held.log()
+                await asyncio.sleep(0.05)
+        held.proc.send_signal(signal.SIGTERM)
+        code = held.proc.wait(20)
+    finally:
+        held.kill()
+        unblock(fifo)
+        fifo.unlink()
+    assert code == -signal.SIGTERM, held.log()
+    said = [line for line in held.log().splitlines() if "SIGTERM during start-up" in line]
+    assert len(said) == 1 and "recovering the store" in said[0] and " WARNING " in said[0], held.log()
+    assert "Traceback" not in held.log()
+    bodies, _ = await _bodies(broker_factory(), mq)
+    assert [f"m{i}".encode() for i in range(30)] == [x for x in bodies if x != b"seed"]
