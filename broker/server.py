@@ -99,6 +99,7 @@ class BrokerServer:
         self._metrics_httpd = None
         self.addresses: dict[str, str] = {}
         self.starting = "reading the configuration"     # what start() is doing: said by a signal that ends it
+        self.serving = False
         self.ctx: BrokerContext | None = None
         self.stopping = asyncio.Event()
         self.fatal: str | None = None
@@ -292,6 +293,7 @@ class BrokerServer:
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
+        self.serving = True         # from here a signal stops the broker cleanly once its start ends
         if vip_srv is not None:
             await vip_srv.start_serving()
         if ns_srv is not None:
@@ -1151,7 +1153,7 @@ async def _maybe_await(fn):
 async def serve(config: BrokerConfig) -> int:
     daemon_default_executor()      # a write that hangs must not keep the process from ending (saved.py)
     server = BrokerServer(config)
-    said = _ending_during_start(server)
+    said = _ending_during_start(server, asyncio.get_running_loop())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, said)
     try:
@@ -1181,16 +1183,23 @@ async def serve(config: BrokerConfig) -> int:
     return 1 if server.fatal else 0
 
 
-def _ending_during_start(server: BrokerServer):
+def _ending_during_start(server: BrokerServer, loop: asyncio.AbstractEventLoop):
     """The handler of SIGTERM and SIGINT until the broker is ready: it says what was cut short, then ends the process
     by the signal as before. Unhandled, a supervisor's stop during a long recovery ended it without a word (exit -15,
     the log's last line the store's queues loaded): nobody knew the start had been stopped, not failed or hung, nor
     that the next one begins its recovery again. A Python handler, not the loop's: recovery runs on the loop's
     thread without a turn, and a loop handler would have held the stop until it ended (minutes for a big store).
-    Ending at once is safe: the start answered nothing yet, or only what a crash (kill -9) would keep."""
+    Ending at once is safe: the start answered nothing yet, or only what a crash (kill -9) would keep. Once its
+    listeners serve (what is left is bounded: the first registration, register_timeout_ms) the broker stops cleanly
+    instead, as after the ready line, once the start ends; a second signal then ends it at once."""
     began = time.monotonic()
 
     def said(signum, _frame) -> None:
+        if server.serving and not server.stopping.is_set():
+            log.warning("%s during start-up (%s): the broker stops cleanly once its start ends",
+                        signal.Signals(signum).name, server.starting)
+            loop.call_soon_threadsafe(server.stopping.set)
+            return
         signal.signal(signum, signal.SIG_DFL)
         log.warning("%s during start-up (%s, %.0f s in): ending now, as after a crash; nothing acknowledged is "
                     "lost, and the next start %s again. To stop a broker cleanly, wait for its LISTENING line",

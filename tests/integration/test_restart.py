@@ -202,3 +202,31 @@ async def test_a_sigterm_while_the_store_recovers_says_so_and_the_next_start_los
     assert "Traceback" not in held.log()
     bodies, _ = await _bodies(broker_factory(), mq)
     assert [f"m{i}".encode() for i in range(30)] == [x for x in bodies if x != b"seed"]
+
+
+async def test_a_sigterm_while_the_first_registration_waits_stops_the_broker_cleanly(tmp_path):
+    """Past its recovery, its listeners serving, a start waits for its first registration (up to
+    register_timeout_ms, 6 s, a name server that does not answer): a SIGTERM there ended the process as a crash (exit
+    -15, no unregistration, no final checkpoint). Now the broker stops cleanly once that start ends: exit 0."""
+    registering = asyncio.Event()
+
+    async def silent(reader, writer):           # a name server that reads and never answers
+        registering.set()
+        await reader.read()
+        writer.close()
+
+    namesrv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    b = BrokerProcess(tmp_path / "store", "--namesrv-addr", "127.0.0.1:%d" % namesrv.sockets[0].getsockname()[1])
+    b.launch()
+    try:
+        async with asyncio.timeout(30):
+            await registering.wait()
+        b.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(b.proc.wait, 30)
+    finally:
+        b.kill()
+        namesrv.close()
+    assert code == 0, b.log()
+    said = [line for line in b.log().splitlines() if "SIGTERM during start-up" in line]
+    assert len(said) == 1 and "stops cleanly once its start ends" in said[0], b.log()
+    assert b.log().rstrip().endswith("stopped"), b.log()
