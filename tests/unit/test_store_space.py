@@ -217,6 +217,31 @@ def test_the_watermark_refuses_at_the_ratio_and_resumes_below_it_less_the_hyster
     assert "disk is full" in disk.remark() and "95.0% used" in disk.remark() and "at 90%" in disk.remark()
 
 
+def test_out_of_inodes_the_watermark_refuses_with_the_blocks_mostly_free():
+    """Inodes (df -i) at the ratio refuse as blocks do, and say so; the blocks' ratio, what retention cleans by,
+    stays the blocks'. Before, a file system out of inodes at 36% of its blocks refused nothing ahead: every new
+    file (a segment, a queue's file, each save's .tmp) failed ENOSPC, the refusals said a full disk with 40 MiB
+    free, and txmq_store_writes_refused stayed 0. A file system with no fixed number of inodes (f_files 0) is
+    judged by its blocks alone."""
+    inodes = [0.5]
+
+    def statvfs(path):
+        total, used = 1_000_000, 360_000
+        files = 10_000
+        ffree = files - int(files * inodes[0])
+        return os.statvfs_result((4096, 4096, total, total - used, total - used, files, ffree, ffree, 0, 255))
+    disk = DiskMonitor("/store", 0.90, statvfs=statvfs)
+    assert disk.probe() is False and disk.inode_ratio == pytest.approx(0.5) and disk.ratio == pytest.approx(0.36)
+    inodes[0] = 0.95
+    assert disk.probe() is True and disk.ratio == pytest.approx(0.36)
+    assert "inodes 95.0% used (df -i)" in disk.remark() and "36.0% used" in disk.remark()
+    inodes[0] = 0.90 - HYSTERESIS / 2
+    assert disk.probe() is True
+    inodes[0] = 0.2
+    assert disk.probe() is False
+    assert "inodes" not in disk.remark()            # named only when they are the fuller
+
+
 def test_while_refusing_a_write_re_measures_a_stale_probe_only():
     fs, now = FakeFs(0.95), [100.0]
     calls = []
