@@ -1191,7 +1191,8 @@ def _ending_during_start(server: BrokerServer, loop: asyncio.AbstractEventLoop):
     thread without a turn, and a loop handler would have held the stop until it ended (minutes for a big store).
     Ending at once is safe: the start answered nothing yet, or only what a crash (kill -9) would keep. Once its
     listeners serve (what is left is bounded: the first registration, register_timeout_ms) the broker stops cleanly
-    instead, as after the ready line, once the start ends; a second signal then ends it at once."""
+    instead, as after the ready line, once the start ends; a second signal then ends it at once. As PID 1 of a
+    container the signal re-raised is dropped by the kernel: the handler then exits itself, 128 + the signal."""
     began = time.monotonic()
 
     def said(signum, _frame) -> None:
@@ -1207,6 +1208,9 @@ def _ending_during_start(server: BrokerServer, loop: asyncio.AbstractEventLoop):
                     "recovers the store" if server.starting == "recovering the store" else "runs its recovery")
         logging.shutdown()
         os.kill(os.getpid(), signum)
+        # Still here: PID 1 of its namespace (a container's broker with no init before it), to which the kernel
+        # drops a signal it sends itself while the action is the default. The status a shell gives that death.
+        os._exit(128 + signum)
     return said
 
 
