@@ -896,13 +896,13 @@ class BrokerServer:
                 self.metrics.snapshots_paused.inc()
                 if not paused:
                     paused = True
-                    log.warning("metric snapshots paused: the store's disk is %.1f%% full, at or above "
-                                "disk_refuse_ratio %.0f%%; they resume below %.0f%%", disk.ratio * 100,
+                    log.warning("metric snapshots paused: the store's disk is %s, at or above "
+                                "disk_refuse_ratio %.0f%%; they resume below %.0f%%", disk.fullness(),
                                 disk.refuse_ratio * 100, disk.resume_ratio * 100)
             else:
                 if paused:
                     paused = False
-                    log.warning("metric snapshots resumed: the store's disk is %.1f%% full", disk.ratio * 100)
+                    log.warning("metric snapshots resumed: the store's disk is %s", disk.fullness())
                 try:
                     await self.write_snapshot(store_dir)
                 except OSError as exc:

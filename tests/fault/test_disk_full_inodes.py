@@ -16,7 +16,7 @@ from tests.support.tmpfs import tmpfs
 
 pytestmark = pytest.mark.asyncio
 
-FLAGS = ("--segment-size", str(4 << 20), "--max-message-size", str(256 * 1024), "--metrics-snapshot-interval-s", "0")
+FLAGS = ("--segment-size", str(4 << 20), "--max-message-size", str(256 * 1024), "--metrics-snapshot-interval-s", "0.05")
 
 
 def _use_up_inodes(ballast) -> int:
@@ -62,6 +62,9 @@ async def test_a_store_out_of_inodes_is_refused_as_a_full_disk_and_resumes_by_it
                 await producer.send("Inodes", b"after", queue=mq)
             said = [line for line in b.log().splitlines() if "refusing writes until" in line]
             assert len(said) == 1 and "inodes 100.0% used (df -i" in said[0], b.log()
+            paused = [line for line in b.log().splitlines() if "metric snapshots paused" in line]
+            # it said "the store's disk is 7.3% full, at or above disk_refuse_ratio 90%": the inodes, unnamed
+            assert len(paused) == 1 and "inodes 100.0% used (df -i" in paused[0], b.log()
             assert made > 300
         finally:
             b.stop()
