@@ -76,9 +76,10 @@ class DiskMonitor:
         self.free_bytes = avail
         self.total_bytes = used + avail
         self.ratio = used / self.total_bytes if self.total_bytes > 0 else 1.0
+        # No fixed number (0 of 0: btrfs, vfat; CephFS's free count -1, 2**64 - 1): more free than in all is none.
         inodes_used = st.f_files - st.f_ffree
         inodes = inodes_used + st.f_favail
-        self.inode_ratio = inodes_used / inodes if st.f_files > 0 and inodes > 0 else 0.0
+        self.inode_ratio = inodes_used / inodes if 0 < st.f_files and st.f_ffree <= st.f_files and inodes > 0 else 0.0
         full = max(self.ratio, self.inode_ratio)
         if self.refusing:
             if full < self.resume_ratio:

@@ -298,3 +298,16 @@ async def test_without_preallocation_a_segment_that_cannot_be_made_is_a_refusal(
     failing["on"] = False
     assert (await store.put(req(5000))).physical_offset == 64 * 1024
     await store.close()
+
+
+@pytest.mark.parametrize("files, ffree", [(0, 0), (5_000, 2**64 - 1), (2**64 - 1, 2**64 - 1), (100, 150)])
+def test_a_file_system_with_no_fixed_number_of_inodes_reads_zero_and_refuses_nothing_for_them(files, ffree):
+    """Not every file system counts inodes: btrfs and vfat say 0 of 0, CephFS its objects beside a free count of -1
+    (2**64 - 1), a Windows or FUSE one -1 of -1, an NFS server whatever it likes. Before, CephFS read
+    txmq_store_disk_inode_usage_ratio -3.7e15 (used = files - 2**64 + 1, over files): a gauge and a dashboard of
+    nonsense. Such a count is no number of inodes: 0, and the blocks alone decide."""
+    def statvfs(path):
+        return os.statvfs_result((4096, 4096, 1_000_000, 640_000, 640_000, files, ffree, ffree, 0, 255))
+    disk = DiskMonitor("/store", 0.90, statvfs=statvfs)
+    assert disk.probe() is False and disk.inode_ratio == 0.0 and disk.ratio == pytest.approx(0.36)
+    assert "inodes" not in disk.remark() and "inodes" not in disk.fullness()
