@@ -814,7 +814,8 @@ class _DiskCollector:
                                 value=d.ratio)
         yield GaugeMetricFamily("txmq_store_disk_inode_usage_ratio",
                                 "Fraction (0..1) of the store's file system's inodes in use (df -i; 0 where it has no "
-                                "fixed number, as btrfs): out of them no file can be made, whatever space is free.",
+                                "fixed number, as btrfs or CephFS): out of them no file can be made, whatever space "
+                                "is free.",
                                 value=d.inode_ratio)
         yield GaugeMetricFamily("txmq_store_writes_refused",
                                 "1 while writes are refused because the disk (its space or its inodes) is over "
