@@ -68,3 +68,30 @@ async def test_a_store_out_of_inodes_is_refused_as_a_full_disk_and_resumes_by_it
             assert made > 300
         finally:
             b.stop()
+
+
+async def test_a_send_whose_new_queue_file_finds_no_inode_is_refused_as_a_full_disk(tmp_path):
+    """The inodes used up between two probes (0.5 s apart), a send to a queue without its file: its file failed
+    ENOSPC and the send was answered SYSTEM_ERROR "create mapped file failed ... consume queue Inodes-1: [Errno 28]
+    No space left on device", every such send until the next probe (3 of 3 measured), a stock producer taking it
+    for a broken broker, not a full one. The failure measures the disk at once now: SERVICE_NOT_AVAILABLE, the
+    disk-full remark naming the inodes, as every write after it. (Should the probe come first, the
+    sends are refused by the watermark, the same answer: before the fix this failed unless the probe won the race
+    for every send, 3 runs of 3 here.)"""
+    with tmpfs(tmp_path / "disk", "64m", inodes=400) as disk:
+        b = BrokerProcess(disk / "store", *FLAGS).start()
+        try:
+            async with Producer(b.namesrv, "PG_inodes", retries=0) as producer:
+                first = await producer.send("Inodes", b"first")
+                fileless = [mq for mq in await producer.routes.publish_queues("Inodes") if mq != first.queue]
+                _use_up_inodes(disk / "ballast")
+                answers = []
+                for mq in fileless:
+                    with pytest.raises(ResponseError) as refused:
+                        await producer.send("Inodes", b"no inode for its queue", queue=mq)
+                    answers.append((refused.value.code, refused.value.remark))
+                assert all(code == ResponseCode.SERVICE_NOT_AVAILABLE and "the broker's disk is full [" in remark
+                           and "inodes 100.0% used (df -i)" in remark for code, remark in answers), answers
+                assert len(answers) == 3
+        finally:
+            b.stop()
