@@ -812,8 +812,14 @@ class _DiskCollector:
         d = self.disk
         yield GaugeMetricFamily("txmq_store_disk_usage_ratio", "Fraction (0..1) of the store's file system in use.",
                                 value=d.ratio)
+        yield GaugeMetricFamily("txmq_store_disk_inode_usage_ratio",
+                                "Fraction (0..1) of the store's file system's inodes in use (df -i; 0 where it has no "
+                                "fixed number, as btrfs or CephFS): out of them no file can be made, whatever space "
+                                "is free.",
+                                value=d.inode_ratio)
         yield GaugeMetricFamily("txmq_store_writes_refused",
-                                "1 while writes are refused because the disk is over disk_refuse_ratio, else 0.",
+                                "1 while writes are refused because the disk (its space or its inodes) is over "
+                                "disk_refuse_ratio, else 0.",
                                 value=1 if d.refusing else 0)
         yield CounterMetricFamily("txmq_store_write_refusals", "Write requests refused for disk space.",
                                   value=d.refusals)

@@ -98,6 +98,8 @@ class BrokerServer:
         self.lock_file: LockFile | None = None
         self._metrics_httpd = None
         self.addresses: dict[str, str] = {}
+        self.starting = "reading the configuration"     # what start() is doing: said by a signal that ends it
+        self.serving = False
         self.ctx: BrokerContext | None = None
         self.stopping = asyncio.Event()
         self.fatal: str | None = None
@@ -228,6 +230,7 @@ class BrokerServer:
         store.add_dispatch_listener(ctx.tx.on_dispatch, live=False)          # it keeps recovered commits only
         if not ha_roles.is_slave(c):     # a slave delivers nothing: its master does, and the copies replicate
             store.add_dispatch_listener(ctx.schedule.on_dispatch, topics=(SCHEDULE_TOPIC, TIMER_TOPIC))
+        self.starting = "recovering the store"
         report = await store.open()
         log.info("store open: %s", report)
         if report.queues_rebuilt:
@@ -240,6 +243,7 @@ class BrokerServer:
         slave = ha_roles.is_slave(c)
         if slave:
             store.add_dispatch_listener(ha_roles.topic_follower(topics))
+        self.starting = "opening the message index"
         await self._open_index(ctx, store_dir)
         topics.adopt(store.queues())
         if derived and topics.queue_total + c.default_topic_queue_nums > c.max_queues:
@@ -263,8 +267,10 @@ class BrokerServer:
                         "nothing (its commits are oneway): delete groups no longer used or raise --max-offsets",
                         ctx.offsets.count(), c.max_offsets)
         await _maybe_await(getattr(ctx.offsets, "open", None))
+        self.starting = "recovering transactions and the schedule"
         await ctx.tx.recover()
         await ctx.schedule.recover()
+        self.starting = "starting to serve"
         ctx.retention = Retention(ctx)
         if not slave:       # a slave writes nothing of its own: no checks or deliveries
             clients.on_new_producer = ctx.tx.producer_joined
@@ -287,6 +293,7 @@ class BrokerServer:
         self._refresh_gauges()
         self.metrics.sample_totals()        # the rates' first sample: nothing stored or pulled yet
         await broker_srv.start_serving()
+        self.serving = True         # from here a signal stops the broker cleanly once its start ends
         if vip_srv is not None:
             await vip_srv.start_serving()
         if ns_srv is not None:
@@ -309,6 +316,7 @@ class BrokerServer:
         if ha_addr:
             self.addresses["ha"] = ha_addr
         if c.namesrv_addrs:
+            self.starting = "registering with the name server"
             await self._start_registration(host, broker_port)
 
     async def _start_registration(self, host: str, broker_port: int) -> None:
@@ -888,13 +896,13 @@ class BrokerServer:
                 self.metrics.snapshots_paused.inc()
                 if not paused:
                     paused = True
-                    log.warning("metric snapshots paused: the store's disk is %.1f%% full, at or above "
-                                "disk_refuse_ratio %.0f%%; they resume below %.0f%%", disk.ratio * 100,
+                    log.warning("metric snapshots paused: the store's disk is %s, at or above "
+                                "disk_refuse_ratio %.0f%%; they resume below %.0f%%", disk.fullness(),
                                 disk.refuse_ratio * 100, disk.resume_ratio * 100)
             else:
                 if paused:
                     paused = False
-                    log.warning("metric snapshots resumed: the store's disk is %.1f%% full", disk.ratio * 100)
+                    log.warning("metric snapshots resumed: the store's disk is %s", disk.fullness())
                 try:
                     await self.write_snapshot(store_dir)
                 except OSError as exc:
@@ -1145,6 +1153,9 @@ async def _maybe_await(fn):
 async def serve(config: BrokerConfig) -> int:
     daemon_default_executor()      # a write that hangs must not keep the process from ending (saved.py)
     server = BrokerServer(config)
+    said = _ending_during_start(server, asyncio.get_running_loop())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, said)
     try:
         await server.start()
     except Exception as exc:  # noqa: BLE001 - start-up failures end the process with their reason
@@ -1170,6 +1181,37 @@ async def serve(config: BrokerConfig) -> int:
         log.info("signal received: stopping")
     await server.stop()
     return 1 if server.fatal else 0
+
+
+def _ending_during_start(server: BrokerServer, loop: asyncio.AbstractEventLoop):
+    """The handler of SIGTERM and SIGINT until the broker is ready: it says what was cut short, then ends the process
+    by the signal as before. Unhandled, a supervisor's stop during a long recovery ended it without a word (exit -15,
+    the log's last line the store's queues loaded): nobody knew the start had been stopped, not failed or hung, nor
+    that the next one begins its recovery again. A Python handler, not the loop's: recovery runs on the loop's
+    thread without a turn, and a loop handler would have held the stop until it ended (minutes for a big store).
+    Ending at once is safe: the start answered nothing yet, or only what a crash (kill -9) would keep. Once its
+    listeners serve (what is left is bounded: the first registration, register_timeout_ms) the broker stops cleanly
+    instead, as after the ready line, once the start ends; a second signal then ends it at once. As PID 1 of a
+    container the signal re-raised is dropped by the kernel: the handler then exits itself, 128 + the signal."""
+    began = time.monotonic()
+
+    def said(signum, _frame) -> None:
+        if server.serving and not server.stopping.is_set():
+            log.warning("%s during start-up (%s): the broker stops cleanly once its start ends",
+                        signal.Signals(signum).name, server.starting)
+            loop.call_soon_threadsafe(server.stopping.set)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        log.warning("%s during start-up (%s, %.0f s in): ending now, as after a crash; nothing acknowledged is "
+                    "lost, and the next start %s again. To stop a broker cleanly, wait for its LISTENING line",
+                    signal.Signals(signum).name, server.starting, time.monotonic() - began,
+                    "recovers the store" if server.starting == "recovering the store" else "runs its recovery")
+        logging.shutdown()
+        os.kill(os.getpid(), signum)
+        # Still here: PID 1 of its namespace (a container's broker with no init before it), to which the kernel
+        # drops a signal it sends itself while the action is the default. The status a shell gives that death.
+        os._exit(128 + signum)
+    return said
 
 
 def start_failure(exc: BaseException, store_dir: str) -> str:

@@ -45,7 +45,6 @@ from typing import Awaitable, Callable
 
 from protocol.connection import wait_within
 
-from ..store.disk import human_bytes
 from ..store.replica import chunk_end
 from .codec import HAProtocolError, TransferDecoder, encode_offset
 
@@ -146,10 +145,9 @@ class HASlave:
         if full != self.disk_full:
             self.disk_full = full
             if full:
-                log.warning("replication from %s paused: this slave's disk is %.1f%% full (%s free), at or above "
+                log.warning("replication from %s paused: this slave's disk is %s, at or above "
                             "disk_refuse_ratio; it stays connected, holds the master's bytes back and resumes by "
-                            "itself below %.0f%%", self.master_addr, disk.ratio * 100,
-                            human_bytes(disk.free_bytes), disk.resume_ratio * 100)
+                            "itself below %.0f%%", self.master_addr, disk.fullness(), disk.resume_ratio * 100)
             else:
                 log.warning("replication from %s resumes: this slave's disk has room again", self.master_addr)
         return full

@@ -204,6 +204,11 @@ def _chain(out, answered) -> None:
 def _queue_file_refused(ctx, cmd, topic: str, qid: int, exc: OSError):
     """The refusal of a send whose new queue's file cannot be made: RocketMQ's CREATE_MAPEDFILE_FAILED remark,
     with what to raise."""
+    if exc.errno == errno.ENOSPC and ctx.store.disk.probe():
+        # the disk (its blocks, or its inodes: a new file takes one) filled since the last probe: refused as the
+        # guard refuses every write from now on, not as a broken broker
+        return cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE,
+                            ctx.store.disk.refuse(f"consume queue {topic}-{qid}: no space for its file"))
     why = f"create mapped file failed, server is busy or broken: consume queue {topic}-{qid}: {exc}"
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

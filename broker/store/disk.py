@@ -6,8 +6,13 @@ writes resume by themselves once usage falls again. ``DiskMonitor`` is that stat
 
 * ``ratio`` is df's "Use%" of the file system holding the store, as a fraction:
   used / (used + available to us), so blocks reserved for root count as full;
-* ``refusing`` turns on at ``ratio >= refuse_ratio`` and off only below
-  ``refuse_ratio - HYSTERESIS``, so a store hovering at the mark does not flap;
+  ``inode_ratio`` is df -i's "IUse%" the same way (0 where the file system has no fixed
+  number of inodes, as btrfs);
+* ``refusing`` turns on when either is at or above ``refuse_ratio`` and off only once both are
+  below ``refuse_ratio - HYSTERESIS``, so a store hovering at the mark does not flap. Inodes
+  too (RocketMQ looks at blocks only): out of them, every new file fails ENOSPC -- a segment,
+  a queue's file, each save's .tmp (checkpoint, offsets, topics) -- with the blocks' ratio
+  low, the refusals said as a full disk with most of it free and no alert firing;
 * ``probe()`` is one statvfs (a couple of microseconds): the store calls it every
   ``PROBE_INTERVAL_S`` from its housekeeping task, after every reservation of space (what
   fills the disk), and at once when one fails with ENOSPC, so a disk filled between probes
@@ -42,6 +47,7 @@ class DiskMonitor:
         self.refuse_ratio = refuse_ratio
         self.resume_ratio = refuse_ratio - HYSTERESIS
         self.ratio = 0.0
+        self.inode_ratio = 0.0
         self.free_bytes = 0
         self.total_bytes = 0
         self.refusing = False
@@ -70,33 +76,46 @@ class DiskMonitor:
         self.free_bytes = avail
         self.total_bytes = used + avail
         self.ratio = used / self.total_bytes if self.total_bytes > 0 else 1.0
+        # No fixed number (0 of 0: btrfs, vfat; CephFS's free count -1, 2**64 - 1): more free than in all is none.
+        inodes_used = st.f_files - st.f_ffree
+        inodes = inodes_used + st.f_favail
+        self.inode_ratio = inodes_used / inodes if 0 < st.f_files and st.f_ffree <= st.f_files and inodes > 0 else 0.0
+        full = max(self.ratio, self.inode_ratio)
         if self.refusing:
-            if self.ratio < self.resume_ratio:
+            if full < self.resume_ratio:
                 self._set(False)
-        elif self.ratio >= self.refuse_ratio:
+        elif full >= self.refuse_ratio:
             self._set(True)
         return self.refusing
 
     def _set(self, refusing: bool) -> None:
         self.refusing = refusing
         if refusing:
-            log.warning("disk of the store %s is %.1f%% full (%s free), at or above disk_refuse_ratio %.0f%%: "
-                        "refusing writes until it is below %.0f%%", self.path, self.ratio * 100,
-                        human_bytes(self.free_bytes), self.refuse_ratio * 100, self.resume_ratio * 100)
+            log.warning("disk of the store %s is %s, at or above disk_refuse_ratio %.0f%%: refusing writes until it "
+                        "is below %.0f%%", self.path, self.fullness(), self.refuse_ratio * 100,
+                        self.resume_ratio * 100)
         else:
-            log.warning("disk of the store %s is %.1f%% full (%s free), below %.0f%%: accepting writes again",
-                        self.path, self.ratio * 100, human_bytes(self.free_bytes), self.resume_ratio * 100)
+            log.warning("disk of the store %s is %s, below %.0f%%: accepting writes again",
+                        self.path, self.fullness(), self.resume_ratio * 100)
         for fn in self.on_change:
             try:
                 fn(refusing)
             except Exception:
                 log.exception("disk state listener %r failed", fn)
 
+    def fullness(self) -> str:
+        """How full, as df says it; the inodes too once they are the fuller (df -i)."""
+        text = f"{self.ratio * 100:.1f}% full ({human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)})"
+        if self.inode_ratio > self.ratio:
+            text += f", its inodes {self.inode_ratio * 100:.1f}% used (df -i: every file takes one)"
+        return text
+
     def remark(self, why: str = "") -> str:
         """What a refused client reads: RocketMQ's opening words, then how full and where the line is."""
+        inodes = (f"; inodes {self.inode_ratio * 100:.1f}% used (df -i)" if self.inode_ratio > self.ratio else "")
         return (f"service not available now: the broker's disk is full [{why + '; ' if why else ''}"
                 f"{self.ratio * 100:.1f}% used, {human_bytes(self.free_bytes)} free of "
-                f"{human_bytes(self.total_bytes)}; writes are refused at {self.refuse_ratio * 100:.0f}% "
+                f"{human_bytes(self.total_bytes)}{inodes}; writes are refused at {self.refuse_ratio * 100:.0f}% "
                 f"and resume below {self.resume_ratio * 100:.0f}%]")
 
     def refuse(self, why: str = "") -> str:
@@ -107,8 +126,7 @@ class DiskMonitor:
     def describe(self) -> str:
         """One line for a start-up failure: the store, its free space."""
         self.probe()
-        return (f"store {self.path}: {human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)} "
-                f"({self.ratio * 100:.1f}% used)")
+        return f"store {self.path}: {self.fullness()}"
 
 
 def human_bytes(n: float) -> str:

@@ -103,8 +103,10 @@ ROWS = [
     ]),
     ("Storage", [
         ("Disk use", "timeseries", "percentunit",
-         "The store's file system in use, beside this broker's clean / force-clean / refuse ratios.",
+         "The store's file system in use (its space, and its inodes: df -i), beside this broker's clean / "
+         "force-clean / refuse ratios.",
          [q(f"max by (instance) (txmq_store_disk_usage_ratio{{{SEL}}})", "used {{instance}}"),
+          q(f"max by (instance) (txmq_store_disk_inode_usage_ratio{{{SEL}}})", "inodes {{instance}}"),
           q(f"max by (limit) (txmq_store_disk_ratio_limit{{{SEL}}})", "{{limit}}")]),
         ("Writes refused", "stat", "short",
          "1 while sends are refused because the disk is over disk_refuse_ratio (red), else 0.",

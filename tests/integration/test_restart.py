@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import urllib.request
 
 import pytest
@@ -13,6 +16,8 @@ from consumer import PullConsumer
 from consumer.pull_consumer import MessageQueue
 from producer import Producer
 from protocol.errors import BrokerError
+from tests.support.broker_process import BrokerProcess
+from tests.support.hung_writes import hung_recovery_env, unblock
 
 pytestmark = pytest.mark.asyncio
 
@@ -167,3 +172,102 @@ async def test_a_queue_directory_removed_as_the_damage_error_advises_is_rebuilt_
     assert b2.stop() == 0
     log_text = (tmp_path / "store-broker.log").read_text(errors="replace")
     assert f"consume queues Zeroed-{mq.queue_id} (1 in all, named by queues) are missing" in log_text
+
+
+@contextlib.asynccontextmanager
+async def _held_in_recovery(tmp_path, prefix: tuple[str, ...] = ()):
+    """A broker on tmp_path/store whose start is held in the store's recovery (by a FIFO, as a big store's long
+    recovery), its queues loaded: recovery is next, or under way. Killed and released on the way out."""
+    fifo = tmp_path / "hold-recovery"
+    os.mkfifo(fifo)
+    held = BrokerProcess(tmp_path / "store", env=hung_recovery_env(fifo), prefix=prefix)
+    before = held.log_path.read_bytes().count(b"consume queues of")     # the first broker's starts
+    held.launch()
+    try:
+        async with asyncio.timeout(30):
+            while held.log_path.read_bytes().count(b"consume queues of") == before:
+                assert held.proc.poll() is None, held.log()
+                await asyncio.sleep(0.05)
+        yield held
+    finally:
+        held.kill()
+        unblock(fifo)
+        fifo.unlink()
+
+
+async def test_a_sigterm_while_the_store_recovers_says_so_and_the_next_start_loses_nothing(broker_factory, tmp_path):
+    """A supervisor's stop while start-up recovers the store: the process ended at once without a word, exit -15,
+    its log's last line the queues loaded, so nobody knew the start had been stopped, not failed or hung. It says so
+    now (what it was doing, that the next start recovers again), still ends at once, by the signal; the next start
+    serves every message acknowledged before."""
+    b = broker_factory()
+    mq = await _send(b, 30)
+    b.kill()                                                # a crash: the next start has a log to recover
+    async with _held_in_recovery(tmp_path) as held:
+        held.proc.send_signal(signal.SIGTERM)
+        code = held.proc.wait(20)
+    assert code == -signal.SIGTERM, held.log()
+    said = [line for line in held.log().splitlines() if "SIGTERM during start-up" in line]
+    assert len(said) == 1 and "recovering the store" in said[0] and " WARNING " in said[0], held.log()
+    assert "Traceback" not in held.log()
+    bodies, _ = await _bodies(broker_factory(), mq)
+    assert [f"m{i}".encode() for i in range(30)] == [x for x in bodies if x != b"seed"]
+
+
+def _child_of(pid: int) -> int:
+    """The one process whose parent is ``pid`` (no /proc/PID/task/TID/children on every kernel)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/status") as f:
+                if f"PPid:\t{pid}\n" in f.read():
+                    return int(entry)
+    raise AssertionError(f"process {pid} has no child")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_during_recovery_ends_a_broker_that_is_pid_1_of_its_container(broker_factory, tmp_path, sig):
+    """PID 1 of a container (a Kubernetes command:, docker run --entrypoint txmq-broker: no init before it): the
+    kernel drops a signal such a process sends itself while its action is the default. The handler said "ending
+    now", and its os.kill ended nothing: the recovery went on, a supervisor's stop waited its grace period out for
+    a SIGKILL, and a SIGINT (Ctrl-C: a KeyboardInterrupt before) no longer ended it at all. It ends now, by the
+    status a shell gives a death by that signal (128 + its number), as docker shows one."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--fork", "--pid", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a PID namespace needs root and unshare (CI runs as root)")
+    b = broker_factory()
+    await _send(b, 3)
+    b.kill()
+    async with _held_in_recovery(tmp_path, prefix=("unshare", "--fork", "--pid", "--kill-child")) as held:
+        os.kill(_child_of(held.proc.pid), sig)       # unshare forwards nothing: the broker, PID 1 inside
+        code = held.proc.wait(20)
+    assert code == 128 + sig, held.log()
+    said = [line for line in held.log().splitlines() if f"{sig.name} during start-up" in line]
+    assert len(said) == 1 and "ending now" in said[0], held.log()
+
+
+async def test_a_sigterm_while_the_first_registration_waits_stops_the_broker_cleanly(tmp_path):
+    """Past its recovery, its listeners serving, a start waits for its first registration (up to
+    register_timeout_ms, 6 s, a name server that does not answer): a SIGTERM there ended the process as a crash (exit
+    -15, no unregistration, no final checkpoint). Now the broker stops cleanly once that start ends: exit 0."""
+    registering = asyncio.Event()
+
+    async def silent(reader, writer):           # a name server that reads and never answers
+        registering.set()
+        await reader.read()
+        writer.close()
+
+    namesrv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    b = BrokerProcess(tmp_path / "store", "--namesrv-addr", "127.0.0.1:%d" % namesrv.sockets[0].getsockname()[1])
+    b.launch()
+    try:
+        async with asyncio.timeout(30):
+            await registering.wait()
+        b.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(b.proc.wait, 30)
+    finally:
+        b.kill()
+        namesrv.close()
+    assert code == 0, b.log()
+    said = [line for line in b.log().splitlines() if "SIGTERM during start-up" in line]
+    assert len(said) == 1 and "stops cleanly once its start ends" in said[0], b.log()
+    assert b.log().rstrip().endswith("stopped"), b.log()

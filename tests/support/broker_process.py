@@ -19,8 +19,10 @@ NO_CHECKS = ("--transaction-check-interval-ms", "60000", "--transaction-timeout-
 
 
 class BrokerProcess:
-    def __init__(self, store_dir, *flags: str, env: dict | None = None, preexec_fn=None, repo: Path | None = None):
+    def __init__(self, store_dir, *flags: str, env: dict | None = None, preexec_fn=None, repo: Path | None = None,
+                 prefix: tuple[str, ...] = ()):
         self.store_dir = Path(store_dir)
+        self.prefix = prefix                # a command the broker runs under (e.g. unshare: PID 1 of its namespace)
         self.preexec_fn = preexec_fn        # run in the child before the broker (e.g. resource limits)
         self.repo = repo or REPO            # the checkout whose broker runs (a bench's baseline: another worktree)
         self.flags = list(flags)
@@ -30,14 +32,7 @@ class BrokerProcess:
         self.log_path = self.store_dir.parent / f"{self.store_dir.name}-broker.log"
 
     def start(self, timeout: float = 30.0) -> "BrokerProcess":
-        self.store_dir.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", "--host", "127.0.0.1", "--port", "0", "--namesrv-port", "0",
-             "--metrics-port", "0", "--store-dir", str(self.store_dir), *self.flags],
-            cwd=self.repo, stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=self.preexec_fn)
-        log.close()
+        self.launch()
         line = self._read_line(timeout)
         m = _LISTENING.search(line)
         if not m:
@@ -47,6 +42,18 @@ class BrokerProcess:
         ha = re.search(r" ha=(\S+)", line)
         self.ha = ha.group(1) if ha else ""          # a master's HA listener (--ha-port)
         return self
+
+    def launch(self) -> subprocess.Popen:
+        """The process started, not waited for (start waits for its ready line)."""
+        self.store_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(
+            [*self.prefix, sys.executable, "-m", "broker", "--host", "127.0.0.1", "--port", "0", "--namesrv-port", "0",
+             "--metrics-port", "0", "--store-dir", str(self.store_dir), *self.flags],
+            cwd=self.repo, stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=self.preexec_fn)
+        log.close()
+        return self.proc
 
     def _read_line(self, timeout: float) -> str:
         sel = selectors.DefaultSelector()

@@ -41,6 +41,14 @@ def slow_flush_env(flag, seconds: float) -> dict:
     return {**env, "TXMQ_TEST_SLOW_FLUSH": f"{flag}:{seconds:g}"}
 
 
+def hung_recovery_env(fifo) -> dict:
+    """The ``env`` of a BrokerProcess whose store recovery, at start-up, hangs before it reads the log while ``fifo``
+    exists (made by the test, released with ``unblock``): hung_flush_hook/sitecustomize.py."""
+    env = hung_flush_env("")
+    del env["TXMQ_TEST_HUNG_FLUSH_FIFO"]
+    return {**env, "TXMQ_TEST_HUNG_RECOVERY_FIFO": str(fifo)}
+
+
 def unblock(fifo) -> None:
     """A reader lets a writer still blocked in open() go on."""
     with contextlib.suppress(OSError):

@@ -858,6 +858,7 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
         return fut, phys + len(body)
     disk = SimpleNamespace(refusing=True, ratio=0.95, free_bytes=1 << 20, resume_ratio=0.89)
     disk.still_refusing = lambda: disk.refusing
+    disk.fullness = lambda: "95.0% full (1.0 MiB free of 20.0 MiB)"
     store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False,
                             last_indexed_record=lambda: None, append_replica=append_replica, disk=disk)
     send = asyncio.Event()

@@ -217,6 +217,31 @@ def test_the_watermark_refuses_at_the_ratio_and_resumes_below_it_less_the_hyster
     assert "disk is full" in disk.remark() and "95.0% used" in disk.remark() and "at 90%" in disk.remark()
 
 
+def test_out_of_inodes_the_watermark_refuses_with_the_blocks_mostly_free():
+    """Inodes (df -i) at the ratio refuse as blocks do, and say so; the blocks' ratio, what retention cleans by,
+    stays the blocks'. Before, a file system out of inodes at 36% of its blocks refused nothing ahead: every new
+    file (a segment, a queue's file, each save's .tmp) failed ENOSPC, the refusals said a full disk with 40 MiB
+    free, and txmq_store_writes_refused stayed 0. A file system with no fixed number of inodes (f_files 0) is
+    judged by its blocks alone."""
+    inodes = [0.5]
+
+    def statvfs(path):
+        total, used = 1_000_000, 360_000
+        files = 10_000
+        ffree = files - int(files * inodes[0])
+        return os.statvfs_result((4096, 4096, total, total - used, total - used, files, ffree, ffree, 0, 255))
+    disk = DiskMonitor("/store", 0.90, statvfs=statvfs)
+    assert disk.probe() is False and disk.inode_ratio == pytest.approx(0.5) and disk.ratio == pytest.approx(0.36)
+    inodes[0] = 0.95
+    assert disk.probe() is True and disk.ratio == pytest.approx(0.36)
+    assert "inodes 95.0% used (df -i)" in disk.remark() and "36.0% used" in disk.remark()
+    inodes[0] = 0.90 - HYSTERESIS / 2
+    assert disk.probe() is True
+    inodes[0] = 0.2
+    assert disk.probe() is False
+    assert "inodes" not in disk.remark()            # named only when they are the fuller
+
+
 def test_while_refusing_a_write_re_measures_a_stale_probe_only():
     fs, now = FakeFs(0.95), [100.0]
     calls = []
@@ -273,3 +298,16 @@ async def test_without_preallocation_a_segment_that_cannot_be_made_is_a_refusal(
     failing["on"] = False
     assert (await store.put(req(5000))).physical_offset == 64 * 1024
     await store.close()
+
+
+@pytest.mark.parametrize("files, ffree", [(0, 0), (5_000, 2**64 - 1), (2**64 - 1, 2**64 - 1), (100, 150)])
+def test_a_file_system_with_no_fixed_number_of_inodes_reads_zero_and_refuses_nothing_for_them(files, ffree):
+    """Not every file system counts inodes: btrfs and vfat say 0 of 0, CephFS its objects beside a free count of -1
+    (2**64 - 1), a Windows or FUSE one -1 of -1, an NFS server whatever it likes. Before, CephFS read
+    txmq_store_disk_inode_usage_ratio -3.7e15 (used = files - 2**64 + 1, over files): a gauge and a dashboard of
+    nonsense. Such a count is no number of inodes: 0, and the blocks alone decide."""
+    def statvfs(path):
+        return os.statvfs_result((4096, 4096, 1_000_000, 640_000, 640_000, files, ffree, ffree, 0, 255))
+    disk = DiskMonitor("/store", 0.90, statvfs=statvfs)
+    assert disk.probe() is False and disk.inode_ratio == 0.0 and disk.ratio == pytest.approx(0.36)
+    assert "inodes" not in disk.remark() and "inodes" not in disk.fullness()

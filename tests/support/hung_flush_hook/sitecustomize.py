@@ -2,12 +2,15 @@
 the FIFO it names exists, each commit-log flush blocks before its msync in an open() of the FIFO for writing, which
 no one reads -- an msync that never returns (a hung disk, a stopped NFS), on the store's own flush thread. No real
 one can be made here (no device-mapper to suspend, no FUSE library). Started with ``slow_flush_env``, it is a slow
-disk instead: while the flag file it names exists, each flush takes that many seconds more, and then completes."""
+disk instead: while the flag file it names exists, each flush takes that many seconds more, and then completes.
+Started with ``hung_recovery_env``, the store's recovery blocks the same way before it reads the log (a start-up
+recovering a big store, held there for as long as the test needs)."""
 import os
 import time
 
 _FIFO = os.environ.get("TXMQ_TEST_HUNG_FLUSH_FIFO")
 _SLOW = os.environ.get("TXMQ_TEST_SLOW_FLUSH")     # "<flag file>:<seconds>"
+_RECOVERY = os.environ.get("TXMQ_TEST_HUNG_RECOVERY_FIFO")
 if _FIFO or _SLOW:
     from broker.store import writer
 
@@ -22,3 +25,15 @@ if _FIFO or _SLOW:
         _flush(ranges)
 
     writer._flush_ranges = _hung_or_slow
+
+if _RECOVERY:
+    from broker.store import store
+
+    _recover = store.recover
+
+    def _hung_recovery(*args, **kwargs):
+        if os.path.exists(_RECOVERY):
+            os.close(os.open(_RECOVERY, os.O_WRONLY))
+        return _recover(*args, **kwargs)
+
+    store.recover = _hung_recovery
