@@ -56,6 +56,9 @@ from .recovery import PROGRESS_GROUP, filed_at, recover, restamp_half, sender_id
 # failing every request in flight on it. The records take one writer cycle per 256 (about 17 ms per 1,000 halves
 # here, more with sync flush or a busy writer); those not written by then are written after the answer.
 NAMING_WAIT_S = 1.0
+# Dead letters retention (or a plan) queues together, to share a group commit: a half may be max_message_size
+# (4 MiB), each copied in memory until written, so not the whole segment's at once.
+DEAD_LETTER_BATCH = 32
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 _FOREVER = (1 << 63) - 1         # a message-index query over all time
@@ -1224,15 +1227,23 @@ class TransactionService:
         """Dead-letter these undecided halves with ``reason``; (done, [{commit_log_offset, why}] not done).
 
         Retention calls this to remove segments, so the records pass the disk watermark (a full disk
-        that refused them could never clean itself)."""
+        that refused them could never clean itself). DEAD_LETTER_BATCH at a time are queued together and share
+        the writer's group commit: one awaited after another, each was a sync flush of its own (an expired
+        segment's 100,000 abandoned halves, 100,000 flushes in a row)."""
         done, failed = [], []
-        for off in offsets:
-            try:
-                await self.decide(off, DEAD, reason=reason, reclaim=True, origin=Origin.EXPIRY)
-            except DecisionError as exc:    # decided meanwhile (an END, a check answer, an admin)
-                failed.append({"commit_log_offset": off, "why": exc.remark})
-                continue
-            done.append(off)
+        offsets = list(offsets)
+        for at in range(0, len(offsets), DEAD_LETTER_BATCH):
+            batch = offsets[at:at + DEAD_LETTER_BATCH]
+            outcomes = await asyncio.gather(*(self.decide(off, DEAD, reason=reason, reclaim=True,
+                                                          origin=Origin.EXPIRY) for off in batch),
+                                            return_exceptions=True)
+            for off, outcome in zip(batch, outcomes):
+                if isinstance(outcome, DecisionError):      # decided meanwhile (an END, a check answer, an admin)
+                    failed.append({"commit_log_offset": off, "why": outcome.remark})
+                elif isinstance(outcome, BaseException):    # the batch's others are written: raised as before
+                    raise outcome
+                else:
+                    done.append(off)
         return done, failed
 
 

@@ -1062,3 +1062,28 @@ async def test_a_listed_half_is_expired_only_if_it_is_the_half_the_plan_saw(worl
     flipped = dict(listed, store_timestamp=tx.store_ts ^ 1 << 40)
     summary = await Retention(ctx).apply_plan(dict(plan, halves=[flipped]))
     assert summary["expired"] == [half.half_offset] and dead_lettered(ctx, half.half_offset)
+
+
+@bounded(60)
+async def test_a_segments_many_undecided_halves_are_dead_lettered_in_a_few_flushes(tmp_path, monkeypatch):
+    """Retention dead-letters every undecided half of a segment before it removes it, and a plan its listed halves.
+    A decision at a time, each waited for, was one sync flush per half: 300 halves were 300 flushes (an expired
+    segment of 100,000 abandoned transactions, 100,000 flushes in a row on the retention pass, 5-10 ms each on a
+    disk). Decisions queued together share a group commit as sends do."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(300)]
+        clock.now = T0
+        flushes = []
+        start = type(ctx.store._writer)._start_flush
+        monkeypatch.setattr(type(ctx.store._writer), "_start_flush", lambda self: flushes.append(1) or start(self))
+        offsets = [h.half_offset for h in halves]
+        done, failed = await ctx.tx.dead_letter(offsets, "expired")
+        assert sorted(done) == offsets and failed == []
+        assert not set(offsets) & set(ctx.tx.pending)
+        assert ctx.store.max_offset("TRANS_CHECK_MAX_TIME_TOPIC", 0) == len(offsets)
+        assert dead_lettered(ctx, offsets[0])
+        assert len(flushes) <= 30, len(flushes)
+    finally:
+        await ctx.store.close()
