@@ -640,11 +640,20 @@ class TransactionService:
         Settled by the store's writer when the records are written, not by this coroutine: once queued they
         are written whoever waits, so a caller cancelled meanwhile (a stop cancels the check timer) must not
         settle the decision as refused, leaving it pending with its op record in the log."""
+        code, remark = await asyncio.shield(await self._queue_decision(action, done, reclaim))
+        if code != ResponseCode.SUCCESS:
+            raise DecisionError(code, remark)
+        return remark
+
+    async def _queue_decision(self, action: Write, done: asyncio.Future, reclaim: bool = False) -> asyncio.Future:
+        """Hand a claimed decision's records to the store's writer; the future of its (code, remark). Returns
+        without yielding to the loop unless its queue's file is being made, so decisions queued one after
+        another share a group commit."""
         answer = asyncio.get_running_loop().create_future()
         while True:
             try:
                 self._put_decision(action, done, answer, reclaim)
-                break
+                return answer
             except _FileBeingMade as being:
                 # Its queue's first file is being made off the loop (a send to it came first): wait for it, as
                 # that send does. Refused "try again", a stock client's oneway END was lost until a check.
@@ -655,10 +664,6 @@ class TransactionService:
                 except BaseException:
                     self._unclaim(action.tx, done, False)
                     raise
-        code, remark = await asyncio.shield(answer)
-        if code != ResponseCode.SUCCESS:
-            raise DecisionError(code, remark)
-        return remark
 
     def _put_decision(self, action: Write, done: asyncio.Future, answer: asyncio.Future, reclaim: bool = False) -> None:
         """Queue a claimed decision's records, ``answer`` settled with (code, remark) once written. If they
@@ -980,19 +985,31 @@ class TransactionService:
             if checks:
                 await self._send_checks(checks, now)       # a failed write reschedules them (below)
             while deaths:
-                action, claim = deaths.pop(0)
-                try:
-                    await self._write_decision(action, claim)   # settles its claim however it ends
-                except DecisionError as exc:
-                    log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
-                    self.core.dead_letter_failed(action.tx, now)
-                except Exception:  # noqa: BLE001 - e.g. a corrupt half: the others still go, this one is retried
-                    log.exception("could not dead-letter %d", action.tx.half_offset)
-                    self.core.dead_letter_failed(action.tx, now)
+                # DEAD_LETTER_BATCH queued before any is waited for: they share a group commit (one waited for
+                # after another, a burst reaching the check limit together was a sync flush per transaction).
+                queued = []
+                while deaths and len(queued) < DEAD_LETTER_BATCH:
+                    action, claim = deaths.pop(0)
+                    try:
+                        queued.append((action, await self._queue_decision(action, claim)))   # settles its claim
+                    except Exception as exc:  # noqa: BLE001 - e.g. a corrupt half: the others still go
+                        self._dead_letter_failed(action.tx, now, exc)
+                for action, answer in queued:
+                    code, remark = await asyncio.shield(answer)
+                    if code != ResponseCode.SUCCESS:
+                        self._dead_letter_failed(action.tx, now, DecisionError(code, remark))
         finally:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
+
+    def _dead_letter_failed(self, tx: Tx, now: int, exc: Exception) -> None:
+        """A max-checks dead letter not written: said, and the transaction retried (DecisionError: refused)."""
+        if isinstance(exc, DecisionError):
+            log.error("could not dead-letter %d: %s", tx.half_offset, exc.remark)
+        else:
+            log.error("could not dead-letter %d", tx.half_offset, exc_info=exc)
+        self.core.dead_letter_failed(tx, now)
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         sound, damaged = [], []

@@ -979,3 +979,30 @@ async def test_commits_after_a_dead_letter_past_the_lines_a_minute_are_named_at_
     text = caplog.text
     assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
     await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_many_transactions_reaching_the_check_limit_together_are_dead_lettered_in_a_few_flushes(
+        tmp_path, monkeypatch):
+    """A burst of halves whose producer group went away reaches transaction_check_max in one pass: their dead
+    letters were written one after another, each waited for, one sync flush each (300 halves, 300 flushes in a row
+    on the check pass; the next slice's checks behind them)."""
+    from broker.transaction.records import DEAD
+    from protocol.txlog import DEAD_TOPIC
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(300)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        writer = type(ctx.store._store._writer)
+        flushes, start = [], writer._start_flush
+        monkeypatch.setattr(writer, "_start_flush", lambda self: flushes.append(1) or start(self))
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == len(dying)
+        assert all(tx.decision_of(p.half_offset) == DEAD for p in dying) and not tx.pending and not tx._deciding
+        assert len(flushes) <= 30, len(flushes)
+    finally:
+        await ctx.store._store.close()
