@@ -105,6 +105,8 @@ class TransactionService:
         self.removing: tuple[int, int] | None = None
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
+        # Halves a dead_letter() call is dead-lettering: each said in its one line, not a WARNING of its own
+        self._said_together: dict[int, _SaidTogether] = {}
         self.recovered_commits: set[int] = set()
         self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
@@ -742,8 +744,11 @@ class TransactionService:
             metrics.child(metrics.rollbacks, tx.group).inc()
         else:
             metrics.child(metrics.dead_letters, tx.group, reason or "").inc()
-            log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
-                        tx.uniq_key, tx.group, tx.topic, tx.half_offset, reason, tx.checks)
+            together = self._said_together.get(tx.half_offset)
+            if together is not None:
+                together.add(tx)
+            else:
+                _say_dead_letter(tx, reason)
         metrics.child(metrics.finish_latency, tx.group).observe(max(0, took_ms) / 1000)
         return op
 
@@ -1249,18 +1254,28 @@ class TransactionService:
         segment's 100,000 abandoned halves, 100,000 flushes in a row)."""
         done, failed = [], []
         offsets = list(offsets)
-        for at in range(0, len(offsets), DEAD_LETTER_BATCH):
-            batch = offsets[at:at + DEAD_LETTER_BATCH]
-            outcomes = await asyncio.gather(*(self.decide(off, DEAD, reason=reason, reclaim=True,
-                                                          origin=Origin.EXPIRY) for off in batch),
-                                            return_exceptions=True)
-            for off, outcome in zip(batch, outcomes):
-                if isinstance(outcome, DecisionError):      # decided meanwhile (an END, a check answer, an admin)
-                    failed.append({"commit_log_offset": off, "why": outcome.remark})
-                elif isinstance(outcome, BaseException):    # the batch's others are written: raised as before
-                    raise outcome
-                else:
-                    done.append(off)
+        # Said in one WARNING, however it ends: a line each, a segment of 100,000 expired halves was 100,000 lines.
+        said = _SaidTogether()
+        together = self._said_together
+        try:
+            for at in range(0, len(offsets), DEAD_LETTER_BATCH):
+                batch = offsets[at:at + DEAD_LETTER_BATCH]
+                together.update(dict.fromkeys(batch, said))
+                outcomes = await asyncio.gather(*(self.decide(off, DEAD, reason=reason, reclaim=True,
+                                                              origin=Origin.EXPIRY) for off in batch),
+                                                return_exceptions=True)
+                for off, outcome in zip(batch, outcomes):
+                    if isinstance(outcome, DecisionError):      # decided meanwhile (an END, a check answer, an admin)
+                        failed.append({"commit_log_offset": off, "why": outcome.remark})
+                    elif isinstance(outcome, BaseException):    # the batch's others are written: raised as before
+                        raise outcome
+                    else:
+                        done.append(off)
+        finally:
+            for off in offsets:
+                if together.get(off) is said:
+                    del together[off]
+            said.say(reason)
         return done, failed
 
 
@@ -1280,6 +1295,48 @@ class _Unnamed:
         if len(self.halves) >= self.limit:
             self.halves = [t for t in self.halves if pending.get(t.half_offset) is t]
             self.limit = max(64, 2 * len(self.halves))
+
+
+def _say_dead_letter(tx: Tx, reason: str | None) -> None:
+    log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
+                tx.uniq_key, tx.group, tx.topic, tx.half_offset, reason, tx.checks)
+
+
+class _SaidTogether:
+    """The dead letters of one dead_letter() call, said in one WARNING: how many, their groups and topics, the first
+    few named (kept: counts and names, not every transaction)."""
+
+    SAMPLE = 5
+
+    def __init__(self):
+        self.n = 0
+        self.groups: set[str] = set()
+        self.topics: set[str] = set()
+        self.first: list[Tx] = []
+
+    def add(self, tx: Tx) -> None:
+        self.n += 1
+        self.groups.add(tx.group)
+        self.topics.add(tx.topic)
+        if len(self.first) < self.SAMPLE:
+            self.first.append(tx)
+
+    def say(self, reason: str) -> None:
+        if self.n <= 1:
+            for tx in self.first:
+                _say_dead_letter(tx, reason)
+            return
+        more = self.n - len(self.first)
+        log.warning("%d transactions dead-lettered: %s (groups %s; topics %s): %s%s", self.n, reason,
+                    _some(self.groups), _some(self.topics),
+                    "; ".join(f"{tx.uniq_key} (group {tx.group}, topic {tx.topic}, half {tx.half_offset})"
+                              for tx in self.first),
+                    f"; and {more} more (counted in txmq_transaction_dead_letters_total)" if more > 0 else "")
+
+
+def _some(names: set[str], most: int = 20) -> str:
+    names = sorted(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _say_not_sent(not_sent: dict[str, list[str]]) -> None:

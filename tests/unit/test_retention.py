@@ -1087,3 +1087,35 @@ async def test_a_segments_many_undecided_halves_are_dead_lettered_in_a_few_flush
         assert len(flushes) <= 30, len(flushes)
     finally:
         await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_segments_many_expired_halves_are_said_in_one_line_with_a_sample(tmp_path, caplog):
+    """Each dead letter was a WARNING line of its own: an expired segment of 100,000 abandoned transactions wrote
+    100,000 lines (about 20 MB of log, and the loop held formatting them) beside the one line retention says for the
+    segment. A dead_letter() call says one WARNING: how many, their groups and topics, and the first few named."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(100)]
+        clock.now = T0
+        caplog.clear()
+        done, failed = await ctx.tx.dead_letter([h.half_offset for h in halves], "expired")
+        assert len(done) == 100 and failed == []
+        lines = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(lines) == 1, lines[:3]
+        assert lines[0].startswith("100 transactions dead-lettered: expired"), lines[0]
+        named = [h for h in halves if f"half {h.half_offset})" in lines[0]]
+        assert named and named[0] is halves[0] and len(named) == 5, lines[0]
+        assert f"{halves[0].uniq_key} (group {halves[0].group}, topic {halves[0].topic}" in lines[0]
+        assert "95 more" in lines[0] and "txmq_transaction_dead_letters_total" in lines[0]
+        # one alone is said as before
+        caplog.clear()
+        one = await add_half(ctx, b"alone")
+        clock.now += 80 * H
+        await ctx.tx.dead_letter([one.half_offset], "expired")
+        assert [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()] == [
+            f"transaction {one.uniq_key} (group {one.group}, topic {one.topic}, half {one.half_offset}) dead-lettered:"
+            f" expired after {one.checks} checks"]
+    finally:
+        await ctx.store.close()
