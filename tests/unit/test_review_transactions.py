@@ -1006,3 +1006,47 @@ async def test_many_transactions_reaching_the_check_limit_together_are_dead_lett
         assert len(flushes) <= 30, len(flushes)
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_others_written(tmp_path, caplog):
+    """Of 40 transactions reaching transaction_check_max in one pass (two batches of dead letters queued together),
+    the store refuses 5, in both batches and at their edges: each refused one is said, stays undecided and is
+    scheduled an interval on (not left off the schedule, never checked again), none is counted or recorded dead that
+    is not in the log, and the next pass dead-letters them."""
+    from broker.transaction.records import DEAD
+    from protocol.txlog import DEAD_TOPIC
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(40)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        refused_at = (0, 3, 31, 32, 39)
+        refused = {dying[i].half_offset for i in refused_at}
+        bodies = [f"abandoned-{i:03d}".encode() for i in refused_at]
+        put_many = store.put_many
+
+        def refusing(reqs, reclaim=False, then=None):
+            # the store's refusal (no room for a new segment): the completion comes later, nothing written
+            if then is not None and any(b in bytes(req.record) for req in reqs for b in bodies):
+                asyncio.get_running_loop().call_soon(
+                    then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
+                return None
+            return put_many(reqs, reclaim, then)
+        store.put_many = refusing
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == 35
+        assert {p.half_offset for p in dying if tx.decision_of(p.half_offset) == DEAD} == {
+            p.half_offset for p in dying} - refused
+        assert set(tx.pending) == refused and not tx._deciding
+        assert all(tx.pending[off].next_check == clock.now + tx.policy.check_interval_ms for off in refused)
+        assert caplog.text.count("could not dead-letter") == 5
+        store.put_many = put_many
+        clock.now += tx.policy.check_interval_ms + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == 40 and not tx.pending
+    finally:
+        await store.close()
