@@ -1119,3 +1119,42 @@ async def test_a_segments_many_expired_halves_are_said_in_one_line_with_a_sample
             f" expired after {one.checks} checks"]
     finally:
         await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_commit_arriving_while_a_batch_of_dead_letters_is_queued_is_decided_once(tmp_path):
+    """The first decision wins with dead letters queued 32 together: a COMMIT for a half whose dead letter is queued
+    (claimed, not yet written) waits for it and is refused as committed after its dead letter; one for a half of
+    the next batch, not yet claimed, is written, and retention reports that half not dead-lettered. No half is
+    both, none is neither."""
+    from broker.transaction.records import COMMIT
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(64)]
+        clock.now = T0
+        queued, late = halves[5], halves[40]
+        put_many, answers, puts = ctx.store.put_many, [], []
+
+        def first_put(reqs, reclaim=False, then=None):
+            puts.append(1)
+            if len(puts) == 32:     # the first batch handed to the writer, none written: both ENDs come in now
+                for p in (queued, late):
+                    answer = tx.end(p.half_offset, COMMIT, group=p.group, table_offset=p.queue_offset,
+                                    from_check=False)     # awaited at once, as the processor's request task does
+                    answers.append(answer if isinstance(answer, tuple) else asyncio.ensure_future(answer))
+            return put_many(reqs, reclaim, then)
+        ctx.store.put_many = first_put
+        done, failed = await tx.dead_letter([h.half_offset for h in halves], "expired")
+        del ctx.store.put_many
+        assert len(answers) == 2
+        got = [a if isinstance(a, tuple) else await a for a in answers]
+        assert got[0][0] != 0 and got[1] == (0, COMMIT), got
+        assert tx.decision_of(queued.half_offset) == DEAD and tx.decision_of(late.half_offset) == COMMIT
+        assert [f["commit_log_offset"] for f in failed] == [late.half_offset]
+        assert sorted(done) == sorted(h.half_offset for h in halves if h is not late)
+        assert ctx.store.max_offset("TRANS_CHECK_MAX_TIME_TOPIC", 0) == 63 and ctx.store.max_offset("T", 0) == 1
+        assert not tx.pending and not tx._deciding
+    finally:
+        await ctx.store.close()
