@@ -59,6 +59,9 @@ NAMING_WAIT_S = 1.0
 # Dead letters retention (or a plan) queues together, to share a group commit: a half may be max_message_size
 # (4 MiB), each copied in memory until written, so not the whole segment's at once.
 DEAD_LETTER_BATCH = 32
+# ... and a batch ends once its halves reach this many bytes: 32 halves of 4 MiB held 130 MiB at once (a big write
+# is a flush's cost anyway, a group commit of them saves little).
+DEAD_LETTER_BATCH_BYTES = 4 << 20
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 _FOREVER = (1 << 63) - 1         # a message-index query over all time
@@ -992,9 +995,10 @@ class TransactionService:
             while deaths:
                 # DEAD_LETTER_BATCH queued before any is waited for: they share a group commit (one waited for
                 # after another, a burst reaching the check limit together was a sync flush per transaction).
-                queued = []
-                while deaths and len(queued) < DEAD_LETTER_BATCH:
+                queued, size = [], 0
+                while deaths and len(queued) < DEAD_LETTER_BATCH and size < DEAD_LETTER_BATCH_BYTES:
                     action, claim = deaths.pop(0)
+                    size += self._half_size(action.tx.half_offset)
                     try:
                         queued.append((action, await self._queue_decision(action, claim)))   # settles its claim
                     except Exception as exc:  # noqa: BLE001 - e.g. a corrupt half: the others still go
@@ -1007,6 +1011,11 @@ class TransactionService:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
+
+    def _half_size(self, half_offset: int) -> int:
+        """The bytes of the half at ``half_offset`` (its dead letter's, near enough); 0 if none is there."""
+        record = self.ctx.store.get_record(half_offset)
+        return len(record) if record is not None else 0
 
     def _dead_letter_failed(self, tx: Tx, now: int, exc: Exception) -> None:
         """A max-checks dead letter not written: said, and the transaction retried (DecisionError: refused)."""
@@ -1258,8 +1267,13 @@ class TransactionService:
         said = _SaidTogether()
         together = self._said_together
         try:
-            for at in range(0, len(offsets), DEAD_LETTER_BATCH):
-                batch = offsets[at:at + DEAD_LETTER_BATCH]
+            at = 0
+            while at < len(offsets):
+                batch, size = [], 0
+                while at < len(offsets) and len(batch) < DEAD_LETTER_BATCH and size < DEAD_LETTER_BATCH_BYTES:
+                    batch.append(offsets[at])
+                    size += self._half_size(offsets[at])
+                    at += 1
                 together.update(dict.fromkeys(batch, said))
                 outcomes = await asyncio.gather(*(self.decide(off, DEAD, reason=reason, reclaim=True,
                                                               origin=Origin.EXPIRY) for off in batch),

@@ -1158,3 +1158,53 @@ async def test_a_commit_arriving_while_a_batch_of_dead_letters_is_queued_is_deci
         assert not tx.pending and not tx._deciding
     finally:
         await ctx.store.close()
+
+
+class DeadLettersQueued:
+    """The bytes of dead letters handed to the store's writer and not yet written, at most (``most``)."""
+
+    def __init__(self, store):
+        self.now = self.most = 0
+        self._put_many = put_many = store.put_many
+        probe = self
+
+        class Then:
+            def __init__(self, then, size):
+                self.then, self.size = then, size
+
+            def done(self):
+                return self.then.done()
+
+            def set_result(self, results):
+                probe.now -= self.size
+                self.then.set_result(results)
+
+        def counting(reqs, reclaim=False, then=None):
+            size = sum(len(req.record) for req in reqs if req.topic == "TRANS_CHECK_MAX_TIME_TOPIC")
+            if size and then is not None:
+                probe.now += size
+                probe.most = max(probe.most, probe.now)
+                then = Then(then, size)
+            return put_many(reqs, reclaim, then)
+        store.put_many = counting
+
+
+@bounded(60)
+async def test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time(tmp_path, monkeypatch):
+    """Dead letters queued 32 together hold each half's copy in memory until written: 32 halves of max_message_size
+    (4 MiB) were 130 MiB at once (measured: 37 MiB for 32 of 1 MiB, 3 MiB one at a time). A batch ends at
+    DEAD_LETTER_BATCH_BYTES of halves too (here 50 KiB; halves of 20 KiB, their properties naming the body: 3 at a
+    time)."""
+    import broker.transaction.service as service
+    monkeypatch.setattr(service, "DEAD_LETTER_BATCH_BYTES", 50 * 1024, raising=False)
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, bytes([65 + n]) * 10 * 1024) for n in range(10)]
+        clock.now = T0
+        queued = DeadLettersQueued(ctx.store)
+        done, failed = await ctx.tx.dead_letter([h.half_offset for h in halves], "expired")
+        assert len(done) == 10 and failed == [] and queued.now == 0
+        assert 2 * 20 * 1024 < queued.most < 4 * 20 * 1024, queued.most
+    finally:
+        await ctx.store.close()

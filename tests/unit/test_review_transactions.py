@@ -1050,3 +1050,27 @@ async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_othe
         assert ctx.store.max_offset(DEAD_TOPIC, 0) == 40 and not tx.pending
     finally:
         await store.close()
+
+
+@bounded(60)
+async def test_large_halves_reaching_the_check_limit_are_dead_lettered_a_few_bytes_at_a_time(tmp_path, monkeypatch):
+    """As retention's (test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time): the check pass's dead
+    letters queued together end at DEAD_LETTER_BATCH_BYTES of halves as well as at DEAD_LETTER_BATCH."""
+    import broker.transaction.service as service
+    from protocol.txlog import DEAD_TOPIC
+    from tests.unit.test_retention import DeadLettersQueued
+    monkeypatch.setattr(service, "DEAD_LETTER_BATCH_BYTES", 50 * 1024, raising=False)
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        dying = [await add_half(ctx, bytes([65 + n]) * 10 * 1024) for n in range(10)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        queued = DeadLettersQueued(ctx.store._store)
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == 10 and not tx.pending and queued.now == 0
+        assert 2 * 20 * 1024 < queued.most < 4 * 20 * 1024, queued.most
+    finally:
+        await ctx.store._store.close()
