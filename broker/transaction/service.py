@@ -748,7 +748,7 @@ class TransactionService:
         else:
             metrics.child(metrics.dead_letters, tx.group, reason or "").inc()
             together = self._said_together.get(tx.half_offset)
-            if together is not None:
+            if together is not None and together.reason == reason:     # (not a check pass's max-checks, racing)
                 together.add(tx)
             else:
                 _say_dead_letter(tx, reason)
@@ -1264,7 +1264,7 @@ class TransactionService:
         done, failed = [], []
         offsets = list(offsets)
         # Said in one WARNING, however it ends: a line each, a segment of 100,000 expired halves was 100,000 lines.
-        said = _SaidTogether()
+        said = _SaidTogether(reason)
         together = self._said_together
         try:
             at = 0
@@ -1289,7 +1289,7 @@ class TransactionService:
             for off in offsets:
                 if together.get(off) is said:
                     del together[off]
-            said.say(reason)
+            said.say()
         return done, failed
 
 
@@ -1322,7 +1322,8 @@ class _SaidTogether:
 
     SAMPLE = 5
 
-    def __init__(self):
+    def __init__(self, reason: str):
+        self.reason = reason
         self.n = 0
         self.groups: set[str] = set()
         self.topics: set[str] = set()
@@ -1335,7 +1336,8 @@ class _SaidTogether:
         if len(self.first) < self.SAMPLE:
             self.first.append(tx)
 
-    def say(self, reason: str) -> None:
+    def say(self) -> None:
+        reason = self.reason
         if self.n <= 1:
             for tx in self.first:
                 _say_dead_letter(tx, reason)

@@ -1208,3 +1208,27 @@ async def test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time(tmp_
         assert 2 * 20 * 1024 < queued.most < 4 * 20 * 1024, queued.most
     finally:
         await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_half_dead_lettered_by_its_check_limit_during_an_expiry_is_said_with_its_own_reason(tmp_path, caplog):
+    """A check pass dead-letters a half for max-checks while retention's dead_letter() is dead-lettering it (and
+    others) as expired: the check pass claimed it first and its dead letter says max-checks; said among retention's
+    expired ones, the line named the wrong reason."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(3)]
+        checked = halves[0]
+        checked.checks = tx.policy.check_max
+        clock.now = T0
+        caplog.clear()
+        await asyncio.gather(tx.run_due(tx.next_due()), tx.dead_letter([h.half_offset for h in halves], "expired"))
+        assert not tx.pending
+        said = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        mine = [m for m in said if f"half {checked.half_offset})" in m]
+        assert len(mine) == 1 and "max-checks" in mine[0], said
+        assert any(m.startswith("2 transactions dead-lettered: expired") for m in said), said
+    finally:
+        await ctx.store.close()
