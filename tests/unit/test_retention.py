@@ -21,6 +21,7 @@ from broker.retention import PlanRefused, Retention
 from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, StoreConfig
 from broker.topics import TopicManager
 from broker.transaction import TransactionService
+from broker.transaction.service import DEAD_LETTER_BATCH
 from protocol.message import decode_record
 from protocol.txlog import DEAD
 from tests.support.bounded import bounded
@@ -1230,5 +1231,43 @@ async def test_a_half_dead_lettered_by_its_check_limit_during_an_expiry_is_said_
         mine = [m for m in said if f"half {checked.half_offset})" in m]
         assert len(mine) == 1 and "max-checks" in mine[0], said
         assert any(m.startswith("2 transactions dead-lettered: expired") for m in said), said
+    finally:
+        await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_dead_letter_call_cancelled_mid_batch_leaves_each_half_written_or_pending_and_said_once(
+        tmp_path, caplog):
+    """A stop cancels retention's pass while a batch of dead letters is queued: the queued ones are still written
+    (by the writer, whoever waits), counted and said once each; those of batches not begun stay undecided; no claim
+    is left behind for a later decision to wait on for ever."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(64)]
+        clock.now = T0
+        put_many, puts = ctx.store.put_many, []
+        caplog.clear()
+        task = asyncio.ensure_future(tx.dead_letter([h.half_offset for h in halves], "expired"))
+
+        def cancelling(reqs, reclaim=False, then=None):
+            puts.append(1)
+            if len(puts) == DEAD_LETTER_BATCH:
+                task.cancel()
+            return put_many(reqs, reclaim, then)
+        ctx.store.put_many = cancelling
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del ctx.store.put_many
+        await asyncio.gather(*tx._deciding.values())       # the writer settles what was queued
+        assert not tx._deciding and not tx._said_together
+        dead = [h for h in halves if tx.decision_of(h.half_offset) == DEAD]
+        assert dead == halves[:DEAD_LETTER_BATCH] and set(tx.pending) == {h.half_offset for h in halves[DEAD_LETTER_BATCH:]}
+        assert not [p for p in tx.pending.values() if p.deciding]
+        assert ctx.store.max_offset("TRANS_CHECK_MAX_TIME_TOPIC", 0) == DEAD_LETTER_BATCH
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert all(text.count(f"half {h.half_offset})") == 1 for h in dead), text[:2000]
+        assert not any(f"half {h.half_offset})" in text for h in halves[DEAD_LETTER_BATCH:])
     finally:
         await ctx.store.close()
