@@ -1122,6 +1122,19 @@ async def test_a_segments_many_expired_halves_are_said_in_one_line_with_a_sample
         await ctx.store.close()
 
 
+async def with_expired_halves(tmp_path, n: int):
+    """A store with ``n`` undecided halves past transaction_retention_hours: (ctx, their Pendings)."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, f"abandoned-{i:03d}".encode()) for i in range(n)]
+    except BaseException:
+        await ctx.store.close()
+        raise
+    clock.now = T0
+    return ctx, halves
+
+
 @bounded(60)
 async def test_a_commit_arriving_while_a_batch_of_dead_letters_is_queued_is_decided_once(tmp_path):
     """The first decision wins with dead letters queued 32 together: a COMMIT for a half whose dead letter is queued
@@ -1129,12 +1142,9 @@ async def test_a_commit_arriving_while_a_batch_of_dead_letters_is_queued_is_deci
     the next batch, not yet claimed, is written, and retention reports that half not dead-lettered. No half is
     both, none is neither."""
     from broker.transaction.records import COMMIT
-    clock = Clock(T0 - 80 * H)
-    ctx = await make(tmp_path, clock)
+    ctx, halves = await with_expired_halves(tmp_path, 64)
     tx = ctx.tx
     try:
-        halves = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(64)]
-        clock.now = T0
         queued, late = halves[5], halves[40]
         put_many, answers, puts = ctx.store.put_many, [], []
 
@@ -1241,12 +1251,9 @@ async def test_a_dead_letter_call_cancelled_mid_batch_leaves_each_half_written_o
     """A stop cancels retention's pass while a batch of dead letters is queued: the queued ones are still written
     (by the writer, whoever waits), counted and said once each; those of batches not begun stay undecided; no claim
     is left behind for a later decision to wait on for ever."""
-    clock = Clock(T0 - 80 * H)
-    ctx = await make(tmp_path, clock)
+    ctx, halves = await with_expired_halves(tmp_path, 64)
     tx = ctx.tx
     try:
-        halves = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(64)]
-        clock.now = T0
         put_many, puts = ctx.store.put_many, []
         caplog.clear()
         task = asyncio.ensure_future(tx.dead_letter([h.half_offset for h in halves], "expired"))
