@@ -262,8 +262,8 @@ class BrokerMetrics:
                                     "each is a lost message, logged at ERROR with topic, queue and offset.",
                                     registry=r)
         self.queues_rebuilt = Counter("txmq_store_consume_queues_rebuilt_total",
-                                      "Consume queues found damaged at start-up (zeroed, cut or missing units) "
-                                      "and rebuilt from the commit log.", registry=r)
+                                      "Consume queues found damaged at start-up (zeroed, cut or missing units, "
+                                      "consumequeue/ removed) and rebuilt from the commit log.", registry=r)
         self.gc_full_pause = Histogram("txmq_gc_full_collection_seconds",
                                        "Pauses of the garbage collector's full (generation 2) passes: the event loop "
                                        "and every request wait them out (see broker/heap.py).",

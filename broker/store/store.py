@@ -237,6 +237,9 @@ class MessageStore:
                                   cut_from=copy_from if nul_free_from is not None and copy_from is not None
                                   and copy_from >= nul_free_from else None,
                                   keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
+            if rebuild:     # every queue came from the whole log: counted as one directory removed alone is
+                self.report.queues_rebuilt = sorted(set(self.report.queues_rebuilt)
+                                                    | {f"{t}-{q}" for t, q in self._cqs})
             kept = {int(t.segment) + t.position: t.length for t in self.report.corrupt_kept}
             # (only those still in the log: one a --truncate-corrupt-tail start cut the log below, left named,
             # had the sound record later written at its offset refused as corrupt, a COMMIT of it too)

@@ -56,6 +56,12 @@ from .recovery import PROGRESS_GROUP, filed_at, recover, restamp_half, sender_id
 # failing every request in flight on it. The records take one writer cycle per 256 (about 17 ms per 1,000 halves
 # here, more with sync flush or a busy writer); those not written by then are written after the answer.
 NAMING_WAIT_S = 1.0
+# Dead letters retention (or a plan) queues together, to share a group commit: a half may be max_message_size
+# (4 MiB), each copied in memory until written, so not the whole segment's at once.
+DEAD_LETTER_BATCH = 32
+# ... and a batch ends once its halves reach this many bytes: 32 halves of 4 MiB held 130 MiB at once (a big write
+# is a flush's cost anyway, a group commit of them saves little).
+DEAD_LETTER_BATCH_BYTES = 4 << 20
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 _FOREVER = (1 << 63) - 1         # a message-index query over all time
@@ -102,6 +108,8 @@ class TransactionService:
         self.removing: tuple[int, int] | None = None
         self.snapshot_interval_s = c.transaction_snapshot_interval_s
         self._deciding: dict[int, asyncio.Future] = {}
+        # Halves a dead_letter() call is dead-lettering: each said in its one line, not a WARNING of its own
+        self._said_together: dict[int, _SaidTogether] = {}
         self.recovered_commits: set[int] = set()
         self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
@@ -637,11 +645,20 @@ class TransactionService:
         Settled by the store's writer when the records are written, not by this coroutine: once queued they
         are written whoever waits, so a caller cancelled meanwhile (a stop cancels the check timer) must not
         settle the decision as refused, leaving it pending with its op record in the log."""
+        code, remark = await asyncio.shield(await self._queue_decision(action, done, reclaim))
+        if code != ResponseCode.SUCCESS:
+            raise DecisionError(code, remark)
+        return remark
+
+    async def _queue_decision(self, action: Write, done: asyncio.Future, reclaim: bool = False) -> asyncio.Future:
+        """Hand a claimed decision's records to the store's writer; the future of its (code, remark). Returns
+        without yielding to the loop unless its queue's file is being made, so decisions queued one after
+        another share a group commit."""
         answer = asyncio.get_running_loop().create_future()
         while True:
             try:
                 self._put_decision(action, done, answer, reclaim)
-                break
+                return answer
             except _FileBeingMade as being:
                 # Its queue's first file is being made off the loop (a send to it came first): wait for it, as
                 # that send does. Refused "try again", a stock client's oneway END was lost until a check.
@@ -652,10 +669,6 @@ class TransactionService:
                 except BaseException:
                     self._unclaim(action.tx, done, False)
                     raise
-        code, remark = await asyncio.shield(answer)
-        if code != ResponseCode.SUCCESS:
-            raise DecisionError(code, remark)
-        return remark
 
     def _put_decision(self, action: Write, done: asyncio.Future, answer: asyncio.Future, reclaim: bool = False) -> None:
         """Queue a claimed decision's records, ``answer`` settled with (code, remark) once written. If they
@@ -734,8 +747,11 @@ class TransactionService:
             metrics.child(metrics.rollbacks, tx.group).inc()
         else:
             metrics.child(metrics.dead_letters, tx.group, reason or "").inc()
-            log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
-                        tx.uniq_key, tx.group, tx.topic, tx.half_offset, reason, tx.checks)
+            together = self._said_together.get(tx.half_offset)
+            if together is not None and together.reason == reason:     # (not a check pass's max-checks, racing)
+                together.add(tx)
+            else:
+                _say_dead_letter(tx, reason)
         metrics.child(metrics.finish_latency, tx.group).observe(max(0, took_ms) / 1000)
         return op
 
@@ -977,19 +993,37 @@ class TransactionService:
             if checks:
                 await self._send_checks(checks, now)       # a failed write reschedules them (below)
             while deaths:
-                action, claim = deaths.pop(0)
-                try:
-                    await self._write_decision(action, claim)   # settles its claim however it ends
-                except DecisionError as exc:
-                    log.error("could not dead-letter %d: %s", action.tx.half_offset, exc.remark)
-                    self.core.dead_letter_failed(action.tx, now)
-                except Exception:  # noqa: BLE001 - e.g. a corrupt half: the others still go, this one is retried
-                    log.exception("could not dead-letter %d", action.tx.half_offset)
-                    self.core.dead_letter_failed(action.tx, now)
+                # DEAD_LETTER_BATCH queued before any is waited for: they share a group commit (one waited for
+                # after another, a burst reaching the check limit together was a sync flush per transaction).
+                queued, size = [], 0
+                while deaths and len(queued) < DEAD_LETTER_BATCH and size < DEAD_LETTER_BATCH_BYTES:
+                    action, claim = deaths.pop(0)
+                    size += self._half_size(action.tx.half_offset)
+                    try:
+                        queued.append((action, await self._queue_decision(action, claim)))   # settles its claim
+                    except Exception as exc:  # noqa: BLE001 - e.g. a corrupt half: the others still go
+                        self._dead_letter_failed(action.tx, now, exc)
+                for action, answer in queued:
+                    code, remark = await asyncio.shield(answer)
+                    if code != ResponseCode.SUCCESS:
+                        self._dead_letter_failed(action.tx, now, DecisionError(code, remark))
         finally:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
+
+    def _half_size(self, half_offset: int) -> int:
+        """The bytes of the half at ``half_offset`` (its dead letter's, near enough); 0 if none is there."""
+        record = self.ctx.store.get_record(half_offset)
+        return len(record) if record is not None else 0
+
+    def _dead_letter_failed(self, tx: Tx, now: int, exc: Exception) -> None:
+        """A max-checks dead letter not written: said, and the transaction retried (DecisionError: refused)."""
+        if isinstance(exc, DecisionError):
+            log.error("could not dead-letter %d: %s", tx.half_offset, exc.remark)
+        else:
+            log.error("could not dead-letter %d", tx.half_offset, exc_info=exc)
+        self.core.dead_letter_failed(tx, now)
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         sound, damaged = [], []
@@ -1224,15 +1258,38 @@ class TransactionService:
         """Dead-letter these undecided halves with ``reason``; (done, [{commit_log_offset, why}] not done).
 
         Retention calls this to remove segments, so the records pass the disk watermark (a full disk
-        that refused them could never clean itself)."""
+        that refused them could never clean itself). DEAD_LETTER_BATCH at a time are queued together and share
+        the writer's group commit: one awaited after another, each was a sync flush of its own (an expired
+        segment's 100,000 abandoned halves, 100,000 flushes in a row)."""
         done, failed = [], []
-        for off in offsets:
-            try:
-                await self.decide(off, DEAD, reason=reason, reclaim=True, origin=Origin.EXPIRY)
-            except DecisionError as exc:    # decided meanwhile (an END, a check answer, an admin)
-                failed.append({"commit_log_offset": off, "why": exc.remark})
-                continue
-            done.append(off)
+        offsets = list(offsets)
+        # Said in one WARNING, however it ends: a line each, a segment of 100,000 expired halves was 100,000 lines.
+        said = _SaidTogether(reason)
+        together = self._said_together
+        try:
+            at = 0
+            while at < len(offsets):
+                batch, size = [], 0
+                while at < len(offsets) and len(batch) < DEAD_LETTER_BATCH and size < DEAD_LETTER_BATCH_BYTES:
+                    batch.append(offsets[at])
+                    size += self._half_size(offsets[at])
+                    at += 1
+                together.update(dict.fromkeys(batch, said))
+                outcomes = await asyncio.gather(*(self.decide(off, DEAD, reason=reason, reclaim=True,
+                                                              origin=Origin.EXPIRY) for off in batch),
+                                                return_exceptions=True)
+                for off, outcome in zip(batch, outcomes):
+                    if isinstance(outcome, DecisionError):      # decided meanwhile (an END, a check answer, an admin)
+                        failed.append({"commit_log_offset": off, "why": outcome.remark})
+                    elif isinstance(outcome, BaseException):    # the batch's others are written: raised as before
+                        raise outcome
+                    else:
+                        done.append(off)
+        finally:
+            for off in offsets:
+                if together.get(off) is said:
+                    del together[off]
+            said.say()
         return done, failed
 
 
@@ -1252,6 +1309,50 @@ class _Unnamed:
         if len(self.halves) >= self.limit:
             self.halves = [t for t in self.halves if pending.get(t.half_offset) is t]
             self.limit = max(64, 2 * len(self.halves))
+
+
+def _say_dead_letter(tx: Tx, reason: str | None) -> None:
+    log.warning("transaction %s (group %s, topic %s, half %d) dead-lettered: %s after %d checks",
+                tx.uniq_key, tx.group, tx.topic, tx.half_offset, reason, tx.checks)
+
+
+class _SaidTogether:
+    """The dead letters of one dead_letter() call, said in one WARNING: how many, their groups and topics, the first
+    few named (kept: counts and names, not every transaction)."""
+
+    SAMPLE = 5
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.n = 0
+        self.groups: set[str] = set()
+        self.topics: set[str] = set()
+        self.first: list[Tx] = []
+
+    def add(self, tx: Tx) -> None:
+        self.n += 1
+        self.groups.add(tx.group)
+        self.topics.add(tx.topic)
+        if len(self.first) < self.SAMPLE:
+            self.first.append(tx)
+
+    def say(self) -> None:
+        reason = self.reason
+        if self.n <= 1:
+            for tx in self.first:
+                _say_dead_letter(tx, reason)
+            return
+        more = self.n - len(self.first)
+        log.warning("%d transactions dead-lettered: %s (groups %s; topics %s): %s%s", self.n, reason,
+                    _some(self.groups), _some(self.topics),
+                    "; ".join(f"{tx.uniq_key} (group {tx.group}, topic {tx.topic}, half {tx.half_offset})"
+                              for tx in self.first),
+                    f"; and {more} more (counted in txmq_transaction_dead_letters_total)" if more > 0 else "")
+
+
+def _some(names: set[str], most: int = 20) -> str:
+    names = sorted(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _say_not_sent(not_sent: dict[str, list[str]]) -> None:

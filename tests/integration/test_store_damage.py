@@ -8,6 +8,7 @@ restart (which rebuilds the queue) every message but the damaged one.
 from __future__ import annotations
 
 import os
+import urllib.request
 
 import pytest
 
@@ -141,12 +142,18 @@ async def test_a_broker_whose_consumequeue_was_removed_serves_every_message_agai
     sent = {m: (await _drain(b, m))[0] for m in (old, mq)}
     assert len(sent[old]) == 101 and len(sent[mq]) == N + 1
     assert b.stop() == 0
-    shutil.rmtree(tmp_path / "store" / "consumequeue")
+    cq = tmp_path / "store" / "consumequeue"
+    queues = [q for t in cq.iterdir() if t.is_dir() for q in t.iterdir() if q.is_dir() and any(q.iterdir())]
+    assert len(queues) >= 2
+    shutil.rmtree(cq)
 
     b = broker_factory(*FLAGS)
     for m in (old, mq):
         got, error = await _drain(b, m)
         assert error is None and got == sent[m], f"{m.topic}: {len(got)} of {len(sent[m])} served"
     assert "consumequeue/ holds no queue" in b.log()
+    # counted as one queue's directory removed alone is (it was a WARNING alone)
+    with urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5) as resp:
+        assert f"txmq_store_consume_queues_rebuilt_total {float(len(queues))}" in resp.read().decode()
     assert b.stop() == 0
     assert not os.path.exists(tmp_path / "store" / "checkpoint.rebuild")

@@ -21,6 +21,7 @@ from broker.retention import PlanRefused, Retention
 from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, StoreConfig
 from broker.topics import TopicManager
 from broker.transaction import TransactionService
+from broker.transaction.service import DEAD_LETTER_BATCH
 from protocol.message import decode_record
 from protocol.txlog import DEAD
 from tests.support.bounded import bounded
@@ -1062,3 +1063,218 @@ async def test_a_listed_half_is_expired_only_if_it_is_the_half_the_plan_saw(worl
     flipped = dict(listed, store_timestamp=tx.store_ts ^ 1 << 40)
     summary = await Retention(ctx).apply_plan(dict(plan, halves=[flipped]))
     assert summary["expired"] == [half.half_offset] and dead_lettered(ctx, half.half_offset)
+
+
+@bounded(60)
+async def test_a_segments_many_undecided_halves_are_dead_lettered_in_a_few_flushes(tmp_path, monkeypatch):
+    """Retention dead-letters every undecided half of a segment before it removes it, and a plan its listed halves.
+    A decision at a time, each waited for, was one sync flush per half: 300 halves were 300 flushes (an expired
+    segment of 100,000 abandoned transactions, 100,000 flushes in a row on the retention pass, 5-10 ms each on a
+    disk). Decisions queued together share a group commit as sends do."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(300)]
+        clock.now = T0
+        flushes = []
+        start = type(ctx.store._writer)._start_flush
+        monkeypatch.setattr(type(ctx.store._writer), "_start_flush", lambda self: flushes.append(1) or start(self))
+        offsets = [h.half_offset for h in halves]
+        done, failed = await ctx.tx.dead_letter(offsets, "expired")
+        assert sorted(done) == offsets and failed == []
+        assert not set(offsets) & set(ctx.tx.pending)
+        assert ctx.store.max_offset("TRANS_CHECK_MAX_TIME_TOPIC", 0) == len(offsets)
+        assert dead_lettered(ctx, offsets[0])
+        assert len(flushes) <= 30, len(flushes)
+    finally:
+        await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_segments_many_expired_halves_are_said_in_one_line_with_a_sample(tmp_path, caplog):
+    """Each dead letter was a WARNING line of its own: an expired segment of 100,000 abandoned transactions wrote
+    100,000 lines (about 20 MB of log, and the loop held formatting them) beside the one line retention says for the
+    segment. A dead_letter() call says one WARNING: how many, their groups and topics, and the first few named."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(100)]
+        clock.now = T0
+        caplog.clear()
+        done, failed = await ctx.tx.dead_letter([h.half_offset for h in halves], "expired")
+        assert len(done) == 100 and failed == []
+        lines = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(lines) == 1, lines[:3]
+        assert lines[0].startswith("100 transactions dead-lettered: expired"), lines[0]
+        named = [h for h in halves if f"half {h.half_offset})" in lines[0]]
+        assert named and named[0] is halves[0] and len(named) == 5, lines[0]
+        assert f"{halves[0].uniq_key} (group {halves[0].group}, topic {halves[0].topic}" in lines[0]
+        assert "95 more" in lines[0] and "txmq_transaction_dead_letters_total" in lines[0]
+        # one alone is said as before
+        caplog.clear()
+        one = await add_half(ctx, b"alone")
+        clock.now += 80 * H
+        await ctx.tx.dead_letter([one.half_offset], "expired")
+        assert [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()] == [
+            f"transaction {one.uniq_key} (group {one.group}, topic {one.topic}, half {one.half_offset}) dead-lettered:"
+            f" expired after {one.checks} checks"]
+    finally:
+        await ctx.store.close()
+
+
+async def with_expired_halves(tmp_path, n: int):
+    """A store with ``n`` undecided halves past transaction_retention_hours: (ctx, their Pendings)."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, f"abandoned-{i:03d}".encode()) for i in range(n)]
+    except BaseException:
+        await ctx.store.close()
+        raise
+    clock.now = T0
+    return ctx, halves
+
+
+@bounded(60)
+async def test_a_commit_arriving_while_a_batch_of_dead_letters_is_queued_is_decided_once(tmp_path):
+    """The first decision wins with dead letters queued 32 together: a COMMIT for a half whose dead letter is queued
+    (claimed, not yet written) waits for it and is refused as committed after its dead letter; one for a half of
+    the next batch, not yet claimed, is written, and retention reports that half not dead-lettered. No half is
+    both, none is neither."""
+    from broker.transaction.records import COMMIT
+    ctx, halves = await with_expired_halves(tmp_path, 64)
+    tx = ctx.tx
+    try:
+        queued, late = halves[5], halves[40]
+        put_many, answers, puts = ctx.store.put_many, [], []
+
+        def first_put(reqs, reclaim=False, then=None):
+            puts.append(1)
+            if len(puts) == 32:     # the first batch handed to the writer, none written: both ENDs come in now
+                for p in (queued, late):
+                    answer = tx.end(p.half_offset, COMMIT, group=p.group, table_offset=p.queue_offset,
+                                    from_check=False)     # awaited at once, as the processor's request task does
+                    answers.append(answer if isinstance(answer, tuple) else asyncio.ensure_future(answer))
+            return put_many(reqs, reclaim, then)
+        ctx.store.put_many = first_put
+        done, failed = await tx.dead_letter([h.half_offset for h in halves], "expired")
+        del ctx.store.put_many
+        assert len(answers) == 2
+        got = [a if isinstance(a, tuple) else await a for a in answers]
+        assert got[0][0] != 0 and got[1] == (0, COMMIT), got
+        assert tx.decision_of(queued.half_offset) == DEAD and tx.decision_of(late.half_offset) == COMMIT
+        assert [f["commit_log_offset"] for f in failed] == [late.half_offset]
+        assert sorted(done) == sorted(h.half_offset for h in halves if h is not late)
+        assert ctx.store.max_offset("TRANS_CHECK_MAX_TIME_TOPIC", 0) == 63 and ctx.store.max_offset("T", 0) == 1
+        assert not tx.pending and not tx._deciding
+    finally:
+        await ctx.store.close()
+
+
+class DeadLettersQueued:
+    """The bytes of dead letters handed to the store's writer and not yet written, at most (``most``)."""
+
+    def __init__(self, store):
+        self.now = self.most = 0
+        self._put_many = put_many = store.put_many
+        probe = self
+
+        class Then:
+            def __init__(self, then, size):
+                self.then, self.size = then, size
+
+            def done(self):
+                return self.then.done()
+
+            def set_result(self, results):
+                probe.now -= self.size
+                self.then.set_result(results)
+
+        def counting(reqs, reclaim=False, then=None):
+            size = sum(len(req.record) for req in reqs if req.topic == "TRANS_CHECK_MAX_TIME_TOPIC")
+            if size and then is not None:
+                probe.now += size
+                probe.most = max(probe.most, probe.now)
+                then = Then(then, size)
+            return put_many(reqs, reclaim, then)
+        store.put_many = counting
+
+
+@bounded(60)
+async def test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time(tmp_path, monkeypatch):
+    """Dead letters queued 32 together hold each half's copy in memory until written: 32 halves of max_message_size
+    (4 MiB) were 130 MiB at once (measured: 37 MiB for 32 of 1 MiB, 3 MiB one at a time). A batch ends at
+    DEAD_LETTER_BATCH_BYTES of halves too (here 50 KiB; halves of 20 KiB, their properties naming the body: 3 at a
+    time)."""
+    import broker.transaction.service as service
+    monkeypatch.setattr(service, "DEAD_LETTER_BATCH_BYTES", 50 * 1024, raising=False)
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    try:
+        halves = [await add_half(ctx, bytes([65 + n]) * 10 * 1024) for n in range(10)]
+        clock.now = T0
+        queued = DeadLettersQueued(ctx.store)
+        done, failed = await ctx.tx.dead_letter([h.half_offset for h in halves], "expired")
+        assert len(done) == 10 and failed == [] and queued.now == 0
+        assert 2 * 20 * 1024 < queued.most < 4 * 20 * 1024, queued.most
+    finally:
+        await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_half_dead_lettered_by_its_check_limit_during_an_expiry_is_said_with_its_own_reason(tmp_path, caplog):
+    """A check pass dead-letters a half for max-checks while retention's dead_letter() is dead-lettering it (and
+    others) as expired: the check pass claimed it first and its dead letter says max-checks; said among retention's
+    expired ones, the line named the wrong reason."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        halves = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(3)]
+        checked = halves[0]
+        checked.checks = tx.policy.check_max
+        clock.now = T0
+        caplog.clear()
+        await asyncio.gather(tx.run_due(tx.next_due()), tx.dead_letter([h.half_offset for h in halves], "expired"))
+        assert not tx.pending
+        said = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        mine = [m for m in said if f"half {checked.half_offset})" in m]
+        assert len(mine) == 1 and "max-checks" in mine[0], said
+        assert any(m.startswith("2 transactions dead-lettered: expired") for m in said), said
+    finally:
+        await ctx.store.close()
+
+
+@bounded(60)
+async def test_a_dead_letter_call_cancelled_mid_batch_leaves_each_half_written_or_pending_and_said_once(
+        tmp_path, caplog):
+    """A stop cancels retention's pass while a batch of dead letters is queued: the queued ones are still written
+    (by the writer, whoever waits), counted and said once each; those of batches not begun stay undecided; no claim
+    is left behind for a later decision to wait on for ever."""
+    ctx, halves = await with_expired_halves(tmp_path, 64)
+    tx = ctx.tx
+    try:
+        put_many, puts = ctx.store.put_many, []
+        caplog.clear()
+        task = asyncio.ensure_future(tx.dead_letter([h.half_offset for h in halves], "expired"))
+
+        def cancelling(reqs, reclaim=False, then=None):
+            puts.append(1)
+            if len(puts) == DEAD_LETTER_BATCH:
+                task.cancel()
+            return put_many(reqs, reclaim, then)
+        ctx.store.put_many = cancelling
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del ctx.store.put_many
+        await asyncio.gather(*tx._deciding.values())       # the writer settles what was queued
+        assert not tx._deciding and not tx._said_together
+        dead = [h for h in halves if tx.decision_of(h.half_offset) == DEAD]
+        assert dead == halves[:DEAD_LETTER_BATCH] and set(tx.pending) == {h.half_offset for h in halves[DEAD_LETTER_BATCH:]}
+        assert not [p for p in tx.pending.values() if p.deciding]
+        assert ctx.store.max_offset("TRANS_CHECK_MAX_TIME_TOPIC", 0) == DEAD_LETTER_BATCH
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert all(text.count(f"half {h.half_offset})") == 1 for h in dead), text[:2000]
+        assert not any(f"half {h.half_offset})" in text for h in halves[DEAD_LETTER_BATCH:])
+    finally:
+        await ctx.store.close()

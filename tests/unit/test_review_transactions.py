@@ -979,3 +979,98 @@ async def test_commits_after_a_dead_letter_past_the_lines_a_minute_are_named_at_
     text = caplog.text
     assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
     await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_many_transactions_reaching_the_check_limit_together_are_dead_lettered_in_a_few_flushes(
+        tmp_path, monkeypatch):
+    """A burst of halves whose producer group went away reaches transaction_check_max in one pass: their dead
+    letters were written one after another, each waited for, one sync flush each (300 halves, 300 flushes in a row
+    on the check pass; the next slice's checks behind them)."""
+    from broker.transaction.records import DEAD
+    from protocol.txlog import DEAD_TOPIC
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(300)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        writer = type(ctx.store._store._writer)
+        flushes, start = [], writer._start_flush
+        monkeypatch.setattr(writer, "_start_flush", lambda self: flushes.append(1) or start(self))
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == len(dying)
+        assert all(tx.decision_of(p.half_offset) == DEAD for p in dying) and not tx.pending and not tx._deciding
+        assert len(flushes) <= 30, len(flushes)
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_others_written(tmp_path, caplog):
+    """Of 40 transactions reaching transaction_check_max in one pass (two batches of dead letters queued together),
+    the store refuses 5, in both batches and at their edges: each refused one is said, stays undecided and is
+    scheduled an interval on (not left off the schedule, never checked again), none is counted or recorded dead that
+    is not in the log, and the next pass dead-letters them."""
+    from broker.transaction.records import DEAD
+    from protocol.txlog import DEAD_TOPIC
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(40)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        refused_at = (0, 3, 31, 32, 39)
+        refused = {dying[i].half_offset for i in refused_at}
+        bodies = [f"abandoned-{i:03d}".encode() for i in refused_at]
+        put_many = store.put_many
+
+        def refusing(reqs, reclaim=False, then=None):
+            # the store's refusal (no room for a new segment): the completion comes later, nothing written
+            if then is not None and any(b in bytes(req.record) for req in reqs for b in bodies):
+                asyncio.get_running_loop().call_soon(
+                    then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
+                return None
+            return put_many(reqs, reclaim, then)
+        store.put_many = refusing
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == 35
+        assert {p.half_offset for p in dying if tx.decision_of(p.half_offset) == DEAD} == {
+            p.half_offset for p in dying} - refused
+        assert set(tx.pending) == refused and not tx._deciding
+        assert all(tx.pending[off].next_check == clock.now + tx.policy.check_interval_ms for off in refused)
+        assert caplog.text.count("could not dead-letter") == 5
+        store.put_many = put_many
+        clock.now += tx.policy.check_interval_ms + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == 40 and not tx.pending
+    finally:
+        await store.close()
+
+
+@bounded(60)
+async def test_large_halves_reaching_the_check_limit_are_dead_lettered_a_few_bytes_at_a_time(tmp_path, monkeypatch):
+    """As retention's (test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time): the check pass's dead
+    letters queued together end at DEAD_LETTER_BATCH_BYTES of halves as well as at DEAD_LETTER_BATCH."""
+    import broker.transaction.service as service
+    from protocol.txlog import DEAD_TOPIC
+    from tests.unit.test_retention import DeadLettersQueued
+    monkeypatch.setattr(service, "DEAD_LETTER_BATCH_BYTES", 50 * 1024, raising=False)
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    try:
+        dying = [await add_half(ctx, bytes([65 + n]) * 10 * 1024) for n in range(10)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        queued = DeadLettersQueued(ctx.store._store)
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert ctx.store.max_offset(DEAD_TOPIC, 0) == 10 and not tx.pending and queued.now == 0
+        assert 2 * 20 * 1024 < queued.most < 4 * 20 * 1024, queued.most
+    finally:
+        await ctx.store._store.close()

@@ -647,6 +647,46 @@ async def test_consume_queues_are_rebuilt_when_deleted(tmp_path):
 
 
 @bounded(20)
+async def test_a_whole_consumequeue_rebuild_names_every_queue_it_rebuilt(tmp_path):
+    """consumequeue/ removed whole: every queue is rebuilt from the whole log, as one queue's directory removed
+    is; the one was counted (txmq_store_consume_queues_rebuilt_total, fed by the report), the whole by no metric,
+    a WARNING alone. A rebuild begun again (a crash before its first checkpoint) names them too; a start after
+    that checkpoint, none."""
+    await fill(tmp_path, 60, queues=3)
+    shutil.rmtree(tmp_path / "consumequeue")
+    store = await reopen(tmp_path)
+    assert store.report.queues_rebuilt == ["T-0", "T-1", "T-2"]
+    await store.close()
+    store = await reopen(tmp_path)                  # checkpointed: nothing rebuilt at the next start
+    assert store.report.queues_rebuilt == []
+    await store.close()
+    # as a crash before the rebuild's first checkpoint leaves the store
+    shutil.rmtree(tmp_path / "consumequeue")
+    os.replace(tmp_path / "checkpoint", tmp_path / "checkpoint.rebuild")
+    store = await reopen(tmp_path)
+    assert store.report.queues_rebuilt == ["T-0", "T-1", "T-2"]
+    assert all(store.max_offset("T", q) == 20 for q in range(3))
+    await store.close()
+
+
+@bounded(20)
+async def test_the_start_up_report_of_a_whole_rebuild_names_a_few_queues_and_counts_the_rest(tmp_path):
+    """The report is said at INFO (`store open: ...`) at every start: with every queue of a whole consumequeue/
+    rebuild in it, a broker of 10,000 queues said a line of 10,000 names (about 150 KB). Said: the first few and how
+    many; the report's list keeps them all (the metric counts them)."""
+    await fill(tmp_path, 80, size=200, queues=40)
+    shutil.rmtree(tmp_path / "consumequeue")
+    store = await reopen(tmp_path)
+    try:
+        assert len(store.report.queues_rebuilt) == 40
+        said = str(store.report)
+        assert said.count("'T-") == 10 and "40 in all" in said, said
+        assert f"end_offset={store.report.end_offset}" in said
+    finally:
+        await store.close()
+
+
+@bounded(20)
 async def test_queue_units_beyond_the_log_are_dropped_and_wrong_ones_rewritten(tmp_path):
     results = await fill(tmp_path, 30)
     os.unlink(tmp_path / "checkpoint")
