@@ -1102,7 +1102,7 @@ class TransactionService:
         return RemotingCommand.request(RequestCode.CHECK_TRANSACTION_STATE, {
             "tranStateTableOffset": tx.queue_offset, "commitLogOffset": tx.half_offset, "msgId": tx.uniq_key,
             "transactionId": tx.uniq_key, "offsetMsgId": offset_msg_id(self.ctx.store_host, tx.half_offset),
-        }, bytes(msg.encode()), language=LanguageCode.JAVA)
+        }, _with_check_count(msg, tx.checks), language=LanguageCode.JAVA)
 
     # ---------------------------------------------------------------- admin
     def describe(self, group: str | None = None, limit: int = 1000, txs: list[Tx] | None = None) -> list[dict]:
@@ -1276,6 +1276,26 @@ def _claimant(tx: Tx, channels, owner_id: str):
 
 def _seq(ch) -> int:
     return ch.seq
+
+
+def _with_check_count(msg, checks: int) -> bytes:
+    """The check's body: the half with TRANSACTION_CHECK_TIMES, this check's number (1 for the first), as RocketMQ
+    4.9.8's broker puts it on the message it checks (needDiscard), the producer's own value replaced. A listener
+    that gives up after N checks reads it (``msg.getProperty("TRANSACTION_CHECK_TIMES")``); without it the
+    listener's parse threw (null) or never saw N, each check was answered UNKNOW, and the transaction was
+    dead-lettered after transaction_check_max checks instead of rolled back by its producer. Left off (the
+    producer's own value kept) a half whose properties have no room for it: the check still goes."""
+    props = msg.properties
+    own = props.get(Prop.TRANSACTION_CHECK_TIMES)
+    props[Prop.TRANSACTION_CHECK_TIMES] = str(checks)
+    try:
+        return bytes(msg.encode())
+    except RecordError:
+        if own is None:
+            del props[Prop.TRANSACTION_CHECK_TIMES]
+        else:
+            props[Prop.TRANSACTION_CHECK_TIMES] = own
+        return bytes(msg.encode())
 
 
 def dumps(obj) -> bytes:
