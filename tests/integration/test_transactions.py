@@ -563,3 +563,25 @@ async def test_an_end_the_broker_has_already_decided_otherwise_is_raised_not_ret
             await producer.send_in_transaction("TxDecided", b"rolled back by the check")
     assert info.value.code == ResponseCode.TRANSACTION_FAILED
     assert "COMMIT_MESSAGE" in str(info.value) and "no check-back" in str(info.value)
+
+
+@bounded(60)
+async def test_a_half_refused_at_the_brokers_undecided_limit_runs_no_local_transaction(broker_factory):
+    """At --max-undecided (every group together) a half is answered SYSTEM_BUSY, nothing stored: the producer must
+    raise, naming the limit, and never run its local transaction (a stock Java producer's sendMessageInTransaction
+    throws MQClientException: SYSTEM_BUSY is not in its retryResponseCodes). Run, a COMMIT would name no half."""
+    b = broker_factory("--max-undecided", "2", "--transaction-timeout-ms", "600000")
+    held = Listener(execute=S.UNKNOW)
+    refused = Listener()
+    ran: list[bytes] = []
+    refused.execute_local_transaction = lambda msg, arg: ran.append(msg.body) or S.COMMIT_MESSAGE
+    async with TransactionProducer(b.namesrv, "PG_holds_two", held) as holder, \
+            TransactionProducer(b.namesrv, "PG_refused", refused) as producer:
+        for n in range(2):
+            assert (await holder.send_in_transaction("TxTotal", b"held %d" % n)).state is S.UNKNOW
+        with pytest.raises(ResponseError) as exc:
+            await producer.send_in_transaction("TxTotal", b"never run")
+    assert exc.value.code == ResponseCode.SYSTEM_BUSY and "max_undecided=2" in str(exc.value), exc.value
+    assert ran == []
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    assert [t["group"] for t in listed["pending"]] == ["PG_holds_two"] * 2, listed
