@@ -1283,18 +1283,15 @@ def _with_check_count(msg, checks: int) -> bytes:
     4.9.8's broker puts it on the message it checks (needDiscard), the producer's own value replaced. A listener
     that gives up after N checks reads it (``msg.getProperty("TRANSACTION_CHECK_TIMES")``); without it the
     listener's parse threw (null) or never saw N, each check was answered UNKNOW, and the transaction was
-    dead-lettered after transaction_check_max checks instead of rolled back by its producer. Left off (the
-    producer's own value kept) a half whose properties have no room for it: the check still goes."""
+    dead-lettered after transaction_check_max checks instead of rolled back by its producer. Left off a half
+    whose properties have no room for it: the check still goes, without any count (the producer's own value
+    left off too: kept, a listener read it as the broker's count, as it did before the count was put)."""
     props = msg.properties
-    own = props.get(Prop.TRANSACTION_CHECK_TIMES)
     props[Prop.TRANSACTION_CHECK_TIMES] = str(checks)
     try:
         return bytes(msg.encode())
     except RecordError:
-        if own is None:
-            del props[Prop.TRANSACTION_CHECK_TIMES]
-        else:
-            props[Prop.TRANSACTION_CHECK_TIMES] = own
+        del props[Prop.TRANSACTION_CHECK_TIMES]     # (no longer than the half's: it fits)
         return bytes(msg.encode())
 
 
