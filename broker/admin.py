@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -158,14 +159,16 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    """The admin command line: whole flag names only (allow_abbrev=False, its actions' too), as the broker's."""
+    parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker", default=os.environ.get("BROKER_ADMIN_ADDR", "127.0.0.1:10911"))
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--access-key", default=os.environ.get("BROKER_ADMIN_ACCESS_KEY", ""))
     parser.add_argument("--secret-key", default=os.environ.get("BROKER_ADMIN_SECRET_KEY", ""))
-    sub = parser.add_subparsers(dest="action", required=True)
+    sub = parser.add_subparsers(dest="action", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     ls = sub.add_parser("list", help="undecided transactions, oldest stored first, a page of at most %d" % LISTED_MAX)
     ls.add_argument("--group")
     ls.add_argument("--limit", type=int, default=1000)
@@ -180,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice", type=int, default=PLAN_SLICE, metavar="N",
                     help="send the plan's halves N a request (default %(default)s), its segments last")
     admin_ops.add_parsers(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     credentials = None
     if args.access_key or args.secret_key:
         try:

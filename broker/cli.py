@@ -43,8 +43,10 @@ def _converter(kind):
 
 def build_parser(cls=BrokerConfig, prefix: str = ENV_PREFIX, prog: str = "python -m broker",
                  what: str = "txmq broker: RocketMQ 4.x-compatible transactional message broker.") -> argparse.ArgumentParser:
+    # allow_abbrev=False: a prefix of a flag was taken for it (`--max-undecided 8`, before that flag existed, set
+    # --max-undecided-per-group without a word), and a flag added later changed what an old command line meant
     parser = argparse.ArgumentParser(
-        prog=prog,
+        prog=prog, allow_abbrev=False,
         description=f"{what} Every flag can also be set as the environment variable {prefix}<NAME>.",
     )
     parser.add_argument("--version", action="version", version=f"txmq {__version__}")

@@ -58,7 +58,7 @@ class Child:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m broker cluster",
+        prog="python -m broker cluster", allow_abbrev=False,     # whole flag names only, as the broker's
         description="Run one name server and N txmq brokers on this machine (a broker per core), restart any "
                     "that dies, stop them all on SIGTERM. Flags after `--` go to every broker.")
     p.add_argument("--brokers", type=int, default=os.cpu_count() or 1, help="How many brokers (default: cores).")

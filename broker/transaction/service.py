@@ -1136,7 +1136,7 @@ class TransactionService:
         return RemotingCommand.request(RequestCode.CHECK_TRANSACTION_STATE, {
             "tranStateTableOffset": tx.queue_offset, "commitLogOffset": tx.half_offset, "msgId": tx.uniq_key,
             "transactionId": tx.uniq_key, "offsetMsgId": offset_msg_id(self.ctx.store_host, tx.half_offset),
-        }, bytes(msg.encode()), language=LanguageCode.JAVA)
+        }, _with_check_count(msg, tx.checks), language=LanguageCode.JAVA)
 
     # ---------------------------------------------------------------- admin
     def describe(self, group: str | None = None, limit: int = 1000, txs: list[Tx] | None = None) -> list[dict]:
@@ -1377,6 +1377,23 @@ def _claimant(tx: Tx, channels, owner_id: str):
 
 def _seq(ch) -> int:
     return ch.seq
+
+
+def _with_check_count(msg, checks: int) -> bytes:
+    """The check's body: the half with TRANSACTION_CHECK_TIMES, this check's number (1 for the first), as RocketMQ
+    4.9.8's broker puts it on the message it checks (needDiscard), the producer's own value replaced. A listener
+    that gives up after N checks reads it (``msg.getProperty("TRANSACTION_CHECK_TIMES")``); without it the
+    listener's parse threw (null) or never saw N, each check was answered UNKNOW, and the transaction was
+    dead-lettered after transaction_check_max checks instead of rolled back by its producer. Left off a half
+    whose properties have no room for it: the check still goes, without any count (the producer's own value
+    left off too: kept, a listener read it as the broker's count, as it did before the count was put)."""
+    props = msg.properties
+    props[Prop.TRANSACTION_CHECK_TIMES] = str(checks)
+    try:
+        return bytes(msg.encode())
+    except RecordError:
+        del props[Prop.TRANSACTION_CHECK_TIMES]     # (no longer than the half's: it fits)
+        return bytes(msg.encode())
 
 
 def dumps(obj) -> bytes:

@@ -236,6 +236,82 @@ async def test_unanswered_checks_dead_letter_then_resume(broker_factory, slow):
         assert sent.state is S.UNKNOW
 
 
+class GivingUp(Listener):
+    """A listener as RocketMQ users write one: UNKNOW while the local transaction runs, rolled back once the
+    broker's TRANSACTION_CHECK_TIMES says it has asked ``after`` times (a missing one read as the first ask)."""
+
+    def __init__(self, after: int):
+        super().__init__(execute=S.UNKNOW, check=S.UNKNOW)
+        self.after = after
+        self.counts: list[str | None] = []
+
+    async def check_local_transaction(self, msg):
+        await super().check_local_transaction(msg)
+        count = msg.properties.get("TRANSACTION_CHECK_TIMES")
+        self.counts.append(count)
+        return S.ROLLBACK_MESSAGE if int(count or 1) >= self.after else S.UNKNOW
+
+
+@pytest.mark.parametrize("own", [None, "999"], ids=["none-of-its-own", "the-producers-own"])
+@bounded(60)
+async def test_a_check_carries_its_number_as_transaction_check_times(broker_factory, own):
+    """RocketMQ 4.9.8's broker puts TRANSACTION_CHECK_TIMES (1 for the first check) on the message it checks, and
+    listeners give up on it ("roll back after 3 asks"). txmq's checks carried the half as sent: the listener saw
+    no count (or the producer's own), answered UNKNOW to every check, and the transaction was dead-lettered after
+    transaction_check_max checks, never rolled back as its producer meant."""
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0",
+                       "--transaction-check-max", "5")
+    listener = GivingUp(after=3)
+    async with TransactionProducer(b.namesrv, "PG_give_up", listener) as producer:
+        # (the producer's own value is not the broker's count: with it, the listener gave up at the first check)
+        props = {} if own is None else {"TRANSACTION_CHECK_TIMES": own}
+        sent = (await producer.send_in_transaction("TxGiveUp", b"given up", properties=props)).send_result
+        half = decode_offset_msg_id(sent.offset_msg_id)[2]
+        async with asyncio.timeout(30):
+            while True:
+                listed = await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)
+                if not json.loads(listed.body_bytes())["pending"]:
+                    break
+                await asyncio.sleep(0.05)
+    # (a check overlapping the call in hand is left to it: counts may skip one, never go back or past 3)
+    assert listener.counts and listener.counts[0] == "1" and listener.counts[-1] == "3", listener.counts
+    assert listener.counts == sorted(set(listener.counts), key=int), listener.counts
+    resolved = await _admin(b.broker, RequestCode.TXMQ_RESOLVE_TRANSACTION,
+                            {"commitLogOffset": half, "decision": "rollback"})
+    assert "already ROLLBACK" in resolved.remark, resolved.remark       # rolled back by the listener, not dead
+    assert await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq_give_up") == []
+
+
+@bounded(90)
+async def test_the_check_count_a_check_carries_goes_on_after_a_crash(broker_factory):
+    """The check records keep the count across a kill -9: the restarted broker's next check is the third, not a
+    first again (a listener giving up at 3 would wait 3 more asks each crash), and the limit counts both lives."""
+    flags = ("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0",
+             "--transaction-check-max", "4")
+    b = broker_factory(*flags)
+    before = GivingUp(after=99)
+    async with TransactionProducer(b.namesrv, "PG_count_kept", before) as producer:
+        await producer.send_in_transaction("TxCountKept", b"outlives a crash")
+        async with asyncio.timeout(30):
+            while len(before.counts) < 2:
+                before.checked.clear()
+                await before.checked.wait()
+        b.kill()            # after two acknowledged checks (their records written before they were sent)
+    seen = len(before.counts)
+    b.start()
+    after = GivingUp(after=99)
+    async with TransactionProducer(b.namesrv, "PG_count_kept", after) as producer:
+        async with asyncio.timeout(30):
+            while not await _drain(b.namesrv, "TRANS_CHECK_MAX_TIME_TOPIC", group="CG_dlq_kept"):
+                await asyncio.sleep(0.05)
+    counts = before.counts + after.counts
+    assert counts[:seen] == [str(n) for n in range(1, seen + 1)], counts
+    # Restarted: numbered on from the last check recorded (at least every one answered before the crash), never
+    # past the limit, which the dead letter ended.
+    assert after.counts and int(after.counts[0]) > seen and after.counts[-1] == "4", counts
+    assert after.counts == sorted(set(after.counts), key=int), counts
+
+
 async def test_a_stock_admins_resume_check_half_message_checks_a_dead_letter_again(broker_factory):
     """RESUME_CHECK_HALF_MESSAGE (323) as DefaultMQAdminExt.resumeCheckHalfMessage sends it: the offset message id
     of the dead letter (or of the half). It was REQUEST_CODE_NOT_SUPPORTED: a stock tool could not get a
@@ -487,3 +563,25 @@ async def test_an_end_the_broker_has_already_decided_otherwise_is_raised_not_ret
             await producer.send_in_transaction("TxDecided", b"rolled back by the check")
     assert info.value.code == ResponseCode.TRANSACTION_FAILED
     assert "COMMIT_MESSAGE" in str(info.value) and "no check-back" in str(info.value)
+
+
+@bounded(60)
+async def test_a_half_refused_at_the_brokers_undecided_limit_runs_no_local_transaction(broker_factory):
+    """At --max-undecided (every group together) a half is answered SYSTEM_BUSY, nothing stored: the producer must
+    raise, naming the limit, and never run its local transaction (a stock Java producer's sendMessageInTransaction
+    throws MQClientException: SYSTEM_BUSY is not in its retryResponseCodes). Run, a COMMIT would name no half."""
+    b = broker_factory("--max-undecided", "2", "--transaction-timeout-ms", "600000")
+    held = Listener(execute=S.UNKNOW)
+    refused = Listener()
+    ran: list[bytes] = []
+    refused.execute_local_transaction = lambda msg, arg: ran.append(msg.body) or S.COMMIT_MESSAGE
+    async with TransactionProducer(b.namesrv, "PG_holds_two", held) as holder, \
+            TransactionProducer(b.namesrv, "PG_refused", refused) as producer:
+        for n in range(2):
+            assert (await holder.send_in_transaction("TxTotal", b"held %d" % n)).state is S.UNKNOW
+        with pytest.raises(ResponseError) as exc:
+            await producer.send_in_transaction("TxTotal", b"never run")
+    assert exc.value.code == ResponseCode.SYSTEM_BUSY and "max_undecided=2" in str(exc.value), exc.value
+    assert ran == []
+    listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
+    assert [t["group"] for t in listed["pending"]] == ["PG_holds_two"] * 2, listed

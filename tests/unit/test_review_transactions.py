@@ -1074,3 +1074,21 @@ async def test_large_halves_reaching_the_check_limit_are_dead_lettered_a_few_byt
         assert 2 * 20 * 1024 < queued.most < 4 * 20 * 1024, queued.most
     finally:
         await ctx.store._store.close()
+
+
+@pytest.mark.parametrize("own", [None, "7"])
+async def test_a_check_of_a_half_with_no_room_for_its_count_goes_without_it(own):
+    """TRANSACTION_CHECK_TIMES on a check's message must not keep the check from going: a half stored with
+    32767 bytes of properties has no room for it, and an encode error there is a check never sent, each pass.
+    Nor may the producer's own value stand in for it there: a listener read 7 as the broker's seventh ask (and
+    gave up at its first), the very misreading the count replaces; the check goes with no count at all."""
+    from broker.transaction.service import _with_check_count
+    from protocol.message import MAX_PROPERTIES_LENGTH, MessageExt, decode_record, properties_to_string
+    props = {} if own is None else {Prop.TRANSACTION_CHECK_TIMES: own}
+    props["fill"] = ""
+    props["fill"] = "y" * (MAX_PROPERTIES_LENGTH - len(properties_to_string(props).encode()))
+    full = MessageExt("T", b"body", properties=dict(props), store_host=("127.0.0.1", 10911))
+    props.pop(Prop.TRANSACTION_CHECK_TIMES, None)
+    assert decode_record(_with_check_count(full, 12))[0].properties == props      # (12: longer than any own)
+    roomy = MessageExt("T", b"body", properties={"k": "v"}, store_host=("127.0.0.1", 10911))
+    assert decode_record(_with_check_count(roomy, 3))[0].properties == {"k": "v", Prop.TRANSACTION_CHECK_TIMES: "3"}
