@@ -21,6 +21,11 @@ file is RocketMQ's own wrapper with one more key, which older versions and ops/s
     {"offsetTable": {...as above...}, "makers": {"<client key>": {"<topic>@<group>": [<queueId>, ...]}}}
 
 A file without "makers" (written before, or by a slave, which counts nothing) charges its offsets to no client.
+A master's queues whose offset was forgotten (``forget``), listed to slaves at -1, are saved with it too, oldest first,
+
+    {"offsetTable": {...}, "forgotten": [["<topic>", "<group>", <queueId>], ...]}
+
+so a restart does not bring a forgotten offset back on a slave that had not copied the -1 yet.
 """
 from __future__ import annotations
 
@@ -66,8 +71,9 @@ HUNG_CLOSE_WAIT_S = 2.0
 
 
 # Queues whose offset was forgotten (``forget``) listed to slaves at -1 (``forgotten``), as a Java master lists the
-# -1 it keeps, so each slave forgets its copy too: the newest this many, each until it is committed again. Not saved:
-# one forgotten less than a slave's sync interval (10 s) before the master stops is not copied.
+# -1 it keeps, so each slave forgets its copy too: the newest this many, each until it is committed again. Saved with
+# the table (a master's): kept in memory only, one forgotten less than a slave's sync interval (10 s) before the master
+# stopped was listed by nothing after its restart, and the slave (putAll) kept the old offset for good.
 FORGOTTEN_KEPT = 10_000
 
 FIT_SAID = 10       # offsets lowered at a start said one a line; the rest are summed up in one
@@ -149,7 +155,9 @@ class ConsumerOffsets:
             return
         # taken off the table, not left on it as a second copy for good (on a slave, the only one, never read)
         makers, table.makers = table.makers, {}
+        forgotten, table.forgotten = table.forgotten, []
         if self.per_host:
+            self._forgotten = dict.fromkeys(forgotten[-FORGOTTEN_KEPT:])
             self._maker = makers
             for client in makers.values():
                 self._made_by[client] = self._made_by.get(client, 0) + 1
@@ -242,8 +250,12 @@ class ConsumerOffsets:
         cleanOffsetByTopic and removeOffset take the -1 it keeps: listed on, a Java slave (putAll) took the deleted
         topic's or group's entries back into its table at every sync (FORGOTTEN_KEPT at most: a short walk)."""
         if self._forgotten:
-            for key in [key for key in self._forgotten if gone(key)]:
+            gone = [key for key in self._forgotten if gone(key)]
+            for key in gone:
                 del self._forgotten[key]
+            if gone:                # (saved with the table: a restart listed them again)
+                self._dirty = True
+                self._changes += 1
 
     def _remove(self, keys) -> None:
         for key in keys:
@@ -325,7 +337,8 @@ class ConsumerOffsets:
         # On the saves' thread, behind any write still running there, and bounded: run here on the loop, behind a
         # write that hung (a stopped NFS) the stop blocked the loop for good and SIGTERM never ended the process.
         self._dirty = False
-        last = asyncio.ensure_future(self._write_off_loop((dict(self._table), dict(self._maker)), *self._take_save()))
+        last = asyncio.ensure_future(self._write_off_loop(
+            (dict(self._table), dict(self._maker), self._forgotten_saved()), *self._take_save()))
         last.add_done_callback(retrieved)
         try:
             await self._last_save(last)
@@ -560,7 +573,7 @@ class ConsumerOffsets:
 
     async def _save_now(self) -> None:
         self._dirty = False
-        snapshot = dict(self._table), dict(self._maker)
+        snapshot = dict(self._table), dict(self._maker), self._forgotten_saved()
         try:
             await self._write_off_loop(snapshot, *self._take_save())
         except OSError as exc:
@@ -573,7 +586,11 @@ class ConsumerOffsets:
         self._save_worked()
         self._wrote()
 
-    def _snapshot(self) -> tuple[dict, dict]:
+    def _forgotten_saved(self) -> list[tuple[str, str, int]]:
+        """The forgotten queues a save holds (a copy, oldest first): a master's; a slave lists none to anyone."""
+        return list(self._forgotten) if self.per_host else []
+
+    def _snapshot(self) -> tuple[dict, dict, list]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save
         took, brought up to date with the keys changed since: a whole copy each save held the loop 11-55 ms at
         100,000 offsets, however few had changed (1,000 changed: 0.3 ms). Only _persist_loop takes it, one save at
@@ -582,7 +599,7 @@ class ConsumerOffsets:
         if self._copy is None or len(self._changed) > len(self._table) // 16:
             self._changed.clear()
             self._copy = dict(self._table), dict(self._maker)
-            return self._copy
+            return (*self._copy, self._forgotten_saved())
         table, maker = self._table, self._maker
         saved_table, saved_maker = self._copy
         for key in self._changed:
@@ -596,13 +613,13 @@ class ConsumerOffsets:
             else:
                 saved_maker.pop(key, None)
         self._changed.clear()
-        return self._copy
+        return (*self._copy, self._forgotten_saved())
 
     def persist(self) -> None:
         """Write the table now (blocking)."""
         self._dirty = False
         try:
-            self._write(_encode(self._table, self._maker), *self._take_save())
+            self._write(_encode(self._table, self._maker, self._forgotten_saved()), *self._take_save())
         except OSError:
             self._dirty = True
             raise
@@ -633,27 +650,32 @@ class ConsumerOffsets:
         save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
 
 
-def _encode(table: dict, maker: dict) -> bytes:
+def _encode(table: dict, maker: dict, forgotten=()) -> bytes:
     # Not sorted first: sort_keys orders every level as written anyway, and sorting the whole table (100,000
     # (group, topic, queue) keys: 40-100 ms) is one C call that holds the GIL, the loop stopped for all of it
     # though this runs on a thread.
     out: dict[str, dict[str, int]] = {}
     for (group, topic, qid), offset in table.items():
         out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
-    if not maker:               # as before: nothing to say (and a slave's file stays RocketMQ's plain table)
+    if not maker and not forgotten:     # as before: nothing to say (and a slave's file stays RocketMQ's plain table)
         return json.dumps(out, indent=1, sort_keys=True).encode()
     makers: dict[str, dict[str, list[int]]] = {}
     for (group, topic, qid), client in maker.items():      # (keys sorted by dumps; queue ids as made)
         makers.setdefault(client, {}).setdefault(f"{topic}@{group}", []).append(qid)
-    return json.dumps({"offsetTable": out, "makers": makers}, indent=1, sort_keys=True).encode()
+    wrapper = {"offsetTable": out, "makers": makers}
+    if forgotten:       # (oldest first: a list, which dumps keeps in order)
+        wrapper["forgotten"] = [[topic, group, qid] for group, topic, qid in forgotten]
+    return json.dumps(wrapper, indent=1, sort_keys=True).encode()
 
 
 class _Table(dict):
-    """(group, topic, queue id) -> offset, and ``makers``: (group, topic, queue id) -> the client that made it."""
+    """(group, topic, queue id) -> offset, ``makers``: (group, topic, queue id) -> the client that made it, and
+    ``forgotten``: the (group, topic, queue id) forgotten, oldest first."""
 
     def __init__(self):
         super().__init__()
         self.makers: dict[tuple[str, str, int], str] = {}
+        self.forgotten: list[tuple[str, str, int]] = []
 
 
 def _parse_table(raw) -> _Table:
@@ -662,9 +684,9 @@ def _parse_table(raw) -> _Table:
     One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
     start its group over on those queues without a word."""
     check(isinstance(raw, dict), "not a JSON object")
-    makers = {}
+    makers, forgotten = {}, []
     if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
-        makers = raw.get("makers", {})
+        makers, forgotten = raw.get("makers", {}), raw.get("forgotten", [])
         raw = raw["offsetTable"]
     table = _Table()
     for key, queues in raw.items():
@@ -686,4 +708,11 @@ def _parse_table(raw) -> _Table:
             for qid in qids:
                 if (split[1], split[0], qid) in table:      # (one no longer in the table is nobody's)
                     table.makers[(split[1], split[0], qid)] = client
+    check(isinstance(forgotten, list), f"forgotten = {forgotten!r}")
+    for entry in forgotten:
+        check(isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], str)
+              and is_int(entry[2]), f"forgotten entry {entry!r}")
+        key = (entry[1], entry[0], entry[2])
+        if key not in table:        # (committed again since: not forgotten)
+            table.forgotten.append(key)
     return table
