@@ -354,6 +354,14 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
             p.kill()
 
 
+async def _commit(pool, broker, group: str, qid: int, offset: int) -> None:
+    """UPDATE_CONSUMER_OFFSET of ``group`` on TOPIC's queue ``qid``, answered SUCCESS (a client that is no consumer
+    of the group: saved before it)."""
+    reply = await pool.request(broker.broker, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": TOPIC, "queueId": qid, "commitOffset": offset}), 3.0)
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+
 async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave_too(tmp_path):
     """UPDATE_CONSUMER_OFFSET -1 forgets a queue's offset on the master (as 4.9.8 reads the -1 it keeps); the slave's
     copy (putAll) kept the old one (17) while the group held other offsets, so a consumer failing over to the slave
@@ -363,10 +371,8 @@ async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave
     started = []
     pool = ConnectionPool()
 
-    async def commit(qid: int, offset: int) -> None:
-        reply = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-            "consumerGroup": "CG_forgot", "topic": TOPIC, "queueId": qid, "commitOffset": offset}), 3.0)
-        assert reply.code == ResponseCode.SUCCESS, reply.remark
+    def commit(qid: int, offset: int):
+        return _commit(pool, master, "CG_forgot", qid, offset)
 
     try:
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-fq", started, "--slave-sync-interval-ms", "200")
@@ -398,10 +404,8 @@ async def test_a_queue_forgotten_just_before_the_masters_kill_is_still_forgotten
     pool = ConnectionPool()
     group = "CG_forgot_kill"
 
-    async def commit(broker, qid: int, offset: int) -> None:
-        reply = await pool.request(broker.broker, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-            "consumerGroup": group, "topic": TOPIC, "queueId": qid, "commitOffset": offset}), 3.0)
-        assert reply.code == ResponseCode.SUCCESS, reply.remark
+    def commit(broker, qid: int, offset: int):
+        return _commit(pool, broker, group, qid, offset)
 
     try:
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-fk", started, "--slave-sync-interval-ms", "200")

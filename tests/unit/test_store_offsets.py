@@ -1132,3 +1132,67 @@ def test_malformed_forgotten_queues_make_the_file_damaged(forgotten):
     from broker.store.offsets import _parse_table
     with pytest.raises(ValueError):
         _parse_table({"offsetTable": {"T@g": {"0": 5}}, "forgotten": forgotten})
+
+
+def _journal_lines(tmp_path) -> list:
+    path = tmp_path / "config" / "consumerOffset.json.firsts"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@bounded(10)
+async def test_a_first_offset_is_on_disk_before_its_wait_ends_without_a_save_of_the_table(tmp_path):
+    """commit_first: a line of the first offsets' journal, one fsync shared by every first commit meanwhile, not
+    a save of the whole table (a paced save each: 150 ms a commit at 10,000 offsets, past a client's 3 s timeout at
+    100,000). Read back at a start without any save since (a kill -9), with who made it; numbering goes on."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    offsets.commit("old", "T", 0, 9)
+    offsets.persist()
+    table = (tmp_path / "config" / "consumerOffset.json").read_bytes()
+    await asyncio.gather(*(offsets.commit_first("g", "T", q, q * 10, "10.0.0.1") for q in range(5)))
+    assert (tmp_path / "config" / "consumerOffset.json").read_bytes() == table      # no save of the table
+    assert [line[:5] for line in _journal_lines(tmp_path)] == [[q + 1, "T", "g", q, q * 10] for q in range(5)]
+    killed = ConsumerOffsets(str(tmp_path))                                          # (no close: as a kill -9)
+    assert killed.of("g", "T") == {q: q * 10 for q in range(5)} and killed.get("old", "T", 0) == 9
+    assert killed.made_by("10.0.0.1") == 5
+    await offsets.close()
+
+
+@bounded(10)
+async def test_a_save_trims_the_lines_it_holds_and_a_start_never_reads_them_back_over_it(tmp_path):
+    """A save of the table says the newest journal line it holds ("firsts") and trims those lines off, so the
+    file holds about one save period of first commits (left, it grew with every one for good). A line the table
+    holds is never read back over it: a topic deleted (saved) after its first offset stays deleted, and an offset
+    moved on stays moved, even when the trim did not happen (a crash between the save and it)."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    await offsets.commit_first("g", "GONE", 0, 5, None)
+    await offsets.commit_first("g", "T", 0, 5, None)
+    kept = _journal_lines(tmp_path)
+    offsets.remove_topic("GONE")
+    offsets.commit("g", "T", 0, 8)
+    await offsets.saved()
+    assert _journal_lines(tmp_path) == []
+    await offsets.commit_first("g", "T", 1, 3, None)
+    assert [line[0] for line in _journal_lines(tmp_path)] == [3]                     # numbering goes on
+    await offsets.close()
+    path = tmp_path / "config" / "consumerOffset.json.firsts"
+    path.write_text("".join(json.dumps(line) + "\n" for line in kept) + '[4, "T", "g", 2, 7')   # + a cut line
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.of("g", "T") == {0: 8, 1: 3} and again.of("g", "GONE") == {}
+    await again.open()                      # the cut line is gone: a line appended now reads whole
+    await again.commit_first("g", "T", 5, 1, None)
+    assert [line[:2] for line in _journal_lines(tmp_path)] == [[1, "GONE"], [2, "T"], [4, "T"]]
+    assert ConsumerOffsets(str(tmp_path)).of("g", "T") == {0: 8, 1: 3, 5: 1}
+    await again.close()
+    assert _journal_lines(tmp_path) == []           # (the stop's save holds them all)
+
+
+def test_a_damaged_journal_line_is_skipped_and_said(tmp_path, caplog):
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "consumerOffset.json.firsts").write_text(
+        '[1, "T", "g", 0, 5, null]\nnot json\n[2, "T", "g", 1, 6, null]\n')
+    offsets = ConsumerOffsets(str(tmp_path))
+    assert offsets.of("g", "T") == {0: 5, 1: 6}
+    assert any("do not read (lines 2)" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
