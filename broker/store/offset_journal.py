@@ -22,6 +22,8 @@ crash came first).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -125,8 +127,16 @@ class FirstsJournal:
             fsync_dirs(make_dirs(os.path.dirname(self.path)))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            whole = os.fstat(fd).st_size        # (appends and trims hold _file_lock: nothing else moves the end)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            except BaseException:
+                # A full disk cuts a write short: the part written, left, was a torn line the next append joined
+                # (neither read back at a start). Cut back to the last whole line; the waiters are told.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, whole)
+                raise
         finally:
             os.close(fd)
         if made:
@@ -163,6 +173,16 @@ class FirstsJournal:
         if self._thread is not None:
             self._thread.shutdown(wait=False)
             self._thread = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``data`` written whole: a short write (a full disk takes what fits, no error) is ENOSPC, not a line on disk."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "the first offsets' journal: a write took no bytes (disk full?)")
+        view = view[n:]
 
 
 def _parse(line: bytes) -> Entry | None:

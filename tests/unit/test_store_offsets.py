@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import tempfile
@@ -1196,3 +1197,36 @@ def test_a_damaged_journal_line_is_skipped_and_said(tmp_path, caplog):
     offsets = ConsumerOffsets(str(tmp_path))
     assert offsets.of("g", "T") == {0: 5, 1: 6}
     assert any("do not read (lines 2)" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+
+
+@bounded(10)
+async def test_a_journal_append_cut_short_by_a_full_disk_is_an_error_and_leaves_no_torn_line(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """A full disk cuts a write short (os.write returns fewer bytes, no error): the cut line was fsync'ed and its
+    first commit answered as on disk, and the next line appended joined it -- neither read back at a start (one
+    ERROR "do not read"), both consumers starting over by their consume-from policy. Now a short write is an
+    error to its waiters and the file is cut back to its last whole line, so the next append reads whole."""
+    from broker.store import offset_journal
+    real_write, cut = os.write, []
+
+    def full_disk_write(fd, data):
+        if bytes(data[:4]) == b"[2, ":      # (the journal's second line; any other write as it is)
+            cut.append(len(data))
+            return real_write(fd, data[:len(data) // 2])        # what fitted
+        if len(cut) == 1:
+            cut.append(len(data))
+            raise OSError(errno.ENOSPC, "No space left on device")     # the rest: none
+        return real_write(fd, data)
+
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    await offsets.commit_first("g", "T", 0, 5, None)
+    monkeypatch.setattr(offset_journal.os, "write", full_disk_write)
+    with pytest.raises(OSError):
+        await offsets.commit_first("g", "T", 1, 6, None)
+    await offsets.commit_first("g", "T", 2, 7, None)
+    assert len(cut) == 2 and [line[:5] for line in _journal_lines(tmp_path)] == [[1, "T", "g", 0, 5], [3, "T", "g", 2, 7]]
+    killed = ConsumerOffsets(str(tmp_path))                   # (no close: as a kill -9)
+    assert killed.of("g", "T") == {0: 5, 2: 7}
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
+    await offsets.close()
