@@ -17,7 +17,8 @@ timeout), a pull consumer's commits over many new queues falling behind. An appe
 
 A line cut by a crash (the last, never answered) is skipped at the start; any other that does not read is skipped
 and said at ERROR (a hand or a disk changed the file: the table's periodic save holds what it had anyway, unless the
-crash came first).
+crash came first), and dropped from the file at the next save. An append a full disk cut short is cut back to the
+last whole line and its waiters told (left, the next line appended joined it: neither read).
 """
 from __future__ import annotations
 
@@ -64,21 +65,24 @@ class FirstsJournal:
             os.truncate(self.path, whole)
             log.warning("consumer offsets: a line cut by a crash at the end of %s dropped (%d bytes; its commit "
                         "was never answered)", self.path, len(data) - whole)
-        entries, bad = [], []
+        entries, bad, shown = [], [], []
         for n, line in enumerate(data[:whole].split(b"\n")):
             if not line:
                 continue
             entry = _parse(line)
             if entry is None:
                 bad.append(n + 1)
+                shown.append(line[:200])
                 continue
             self.seq = max(self.seq, entry[0])
             if entry[0] > after:
                 entries.append(entry)
         if bad:
-            log.error("consumer offsets: %d line(s) of %s do not read (lines %s): skipped; a consumer's first "
-                      "offset of a queue there since the last save may be missing (it starts from its "
-                      "consume-from policy there)", len(bad), self.path, ", ".join(map(str, bad[:10])))
+            log.error("consumer offsets: %d line(s) of %s do not read (lines %s): skipped, and dropped from the "
+                      "file at the next save; a consumer's first offset of a queue there since the last save may be "
+                      "missing (it starts from its consume-from policy there: set it with txmq-admin reset-offset "
+                      "if the line says where it was): %s", len(bad), self.path, ", ".join(map(str, bad[:10])),
+                      " | ".join(line.decode(errors="replace") for line in shown[:3]))
         entries.sort(key=lambda e: e[0])
         return entries
 
@@ -159,12 +163,13 @@ class FirstsJournal:
                 lines = fh.read().split(b"\n")
         except FileNotFoundError:
             return
-        kept = [line for line in lines if line and ((e := _parse(line)) is None or e[0] > upto)]
+        # A line that does not read goes too: said at the start that skipped it (kept, it was said at every start
+        # for good). None is being written (appends hold the lock; one that failed was cut back).
+        kept = [line for line in lines if line and (e := _parse(line)) is not None and e[0] > upto]
         if not kept:
             # (no fsync: lines the table holds are skipped at a start anyway, so a crash bringing them back is harmless)
             os.truncate(self.path, 0)
             return
-        # (a line not read is kept: a later crash's cut line or a damaged one, said at the start)
         os.replace(write_synced(self.path + ".tmp", b"".join(line + b"\n" for line in kept)), self.path)
         fsync_dir(os.path.dirname(self.path))
 

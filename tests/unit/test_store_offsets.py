@@ -1230,3 +1230,21 @@ async def test_a_journal_append_cut_short_by_a_full_disk_is_an_error_and_leaves_
     assert killed.of("g", "T") == {0: 5, 2: 7}
     assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
     await offsets.close()
+
+
+@bounded(10)
+async def test_a_damaged_journal_line_said_at_a_start_is_dropped_by_the_next_save(tmp_path, caplog):
+    """A line that does not read, said at ERROR at the start, was kept by every trim: said again at every start for
+    good (its offset was never read, and the table holds all the rest), and the file never trimmed empty."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "consumerOffset.json.firsts").write_text('[1, "T", "g", 0, 5, null]\nnot json\n')
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    assert [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
+    await offsets.saved()
+    await offsets.close()
+    caplog.clear()
+    assert ConsumerOffsets(str(tmp_path)).of("g", "T") == {0: 5}
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
+    assert (config / "consumerOffset.json.firsts").read_bytes() == b""
