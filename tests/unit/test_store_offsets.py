@@ -1225,7 +1225,8 @@ async def test_a_journal_append_cut_short_by_a_full_disk_is_an_error_and_leaves_
     with pytest.raises(OSError):
         await offsets.commit_first("g", "T", 1, 6, None)
     await offsets.commit_first("g", "T", 2, 7, None)
-    assert len(cut) == 2 and [line[:5] for line in _journal_lines(tmp_path)] == [[1, "T", "g", 0, 5], [3, "T", "g", 2, 7]]
+    assert len(cut) == 2
+    assert [line[:5] for line in _journal_lines(tmp_path)] == [[1, "T", "g", 0, 5], [3, "T", "g", 2, 7]]
     killed = ConsumerOffsets(str(tmp_path))                   # (no close: as a kill -9)
     assert killed.of("g", "T") == {0: 5, 2: 7}
     assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
