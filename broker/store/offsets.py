@@ -676,9 +676,11 @@ class ConsumerOffsets:
         self._io_began = time.monotonic()       # a hang is timed from here (_check_hung): an encode is only slow
         try:
             self._write(data, number, changes)
+            # The journal's lines this table holds. Watched for a hang as the write: behind the journal's lock, an
+            # append that hung (a stopped NFS) held it for good, said by nothing, callers of ``saved`` unanswered.
+            self._firsts.trim(snapshot[3])
         finally:
             self._io_began = None
-        self._firsts.trim(snapshot[3])     # (the journal's lines this table holds)
 
     def _write(self, data: bytes, number: int, changes: int) -> None:
         with self._write_lock:

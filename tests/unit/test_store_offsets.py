@@ -1249,3 +1249,27 @@ async def test_a_damaged_journal_line_said_at_a_start_is_dropped_by_the_next_sav
     assert ConsumerOffsets(str(tmp_path)).of("g", "T") == {0: 5}
     assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
     assert (config / "consumerOffset.json.firsts").read_bytes() == b""
+
+
+@bounded(10)
+async def test_a_save_held_by_a_hung_journal_append_is_said_hung_as_a_hung_write(tmp_path, caplog):
+    """A save trims the first offsets' journal after its write, behind the journal's lock: held by an append that
+    hung (a stopped NFS), the trim waited for good, outside the time a save is watched for a hang -- never said hung
+    (no gauge, no ERROR), every caller of ``saved`` (an admin's move) unanswered though its table was on disk.
+    Watched as its write now."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    offsets.write_hung_s = 0.2
+    await offsets.open()
+    await offsets.commit_first("g", "T", 0, 5, None)
+    offsets._firsts._file_lock.acquire()        # as an append hung on the journal's thread holds it
+    try:
+        offsets.commit("g", "T", 0, 6)
+        await offsets.saved()           # (the table is on disk: answered once the trim behind it is said hung)
+        assert offsets.write_hung and "consumer offsets: a write has not ended" in caplog.text
+        assert ConsumerOffsets(str(tmp_path)).get("g", "T", 0) == 6
+    finally:
+        offsets._firsts._file_lock.release()
+    while offsets.write_hung:           # the trim goes on once the append ends
+        await asyncio.sleep(0.01)
+    assert _journal_lines(tmp_path) == []
+    await offsets.close()
