@@ -8,7 +8,8 @@ at a time shared by every commit waiting (group commit):
 ``seq`` numbers the lines, rising for good. The table file says the newest ``seq`` its snapshot holds ("firsts",
 offsets.py): a start applies only the lines after it, in order, so a line the table already holds (and may have
 moved on or removed since: a topic deleted, a group's offsets removed) is never read back over it. Once a table
-holding lines is on disk, they are trimmed off (``trim``), so the file holds about one save period of first commits.
+holding lines is on disk and so is its previous copy (``.bak``, read when the table is damaged), they are trimmed off
+(``trim``), so the file holds about two save periods of first commits.
 
 Why: a first offset answered from memory was lost to a kill -9 before the next periodic save, the successor of a
 consumer gone too starting at the end (skipping what was sent meanwhile); saved as a whole table before its answer,
@@ -50,10 +51,11 @@ class FirstsJournal:
         self._writing: asyncio.Future | None = None  # the batch being written
         self._thread: DaemonThreads | None = None
         self._file_lock = threading.Lock()      # appends (the journal's thread) and trims (the saves' thread)
+        self._saved = 0             # the newest line the newest table written holds ("firsts"; trim)
 
     def load(self, after: int) -> list[Entry]:
         """The lines after ``after`` (the table's "firsts"), in order; numbering goes on past every line read."""
-        self.seq = after
+        self.seq = self._saved = after
         try:
             with open(self.path, "rb") as fh:
                 data = fh.read()
@@ -148,7 +150,11 @@ class FirstsJournal:
 
     def trim(self, upto: int) -> None:
         """A table holding every line up to ``upto`` is on disk (called on the saves' thread, after its write):
-        those lines go. Left, the file grew with every first commit for good."""
+        the lines the table it replaced (now its previous copy, .bak) held too go. Left, the file grew with every
+        first commit for good; trimmed up to ``upto`` itself, a start from the previous copy of a damaged table
+        missed the first offsets committed between the two saves (the group started by its consume-from policy)."""
+        # (min: an older table, not written over a newer one, trims only what it holds)
+        upto, self._saved = min(upto, self._saved), max(upto, self._saved)
         if upto > 0:
             try:
                 with self._file_lock:       # (not with an append in flight on the journal's thread)
