@@ -25,7 +25,9 @@ A master's queues whose offset was forgotten (``forget``), listed to slaves at -
 
     {"offsetTable": {...}, "forgotten": [["<topic>", "<group>", <queueId>], ...]}
 
-so a restart does not bring a forgotten offset back on a slave that had not copied the -1 yet.
+so a restart does not bring a forgotten offset back on a slave that had not copied the -1 yet. Once a consumer's
+first offset of a queue has been written to the first offsets' journal (offset_journal.py), on a slave too, the
+wrapper says the newest line of it the table holds, ``"firsts": <seq>``: a start reads only the lines after it.
 """
 from __future__ import annotations
 
