@@ -21,6 +21,13 @@ file is RocketMQ's own wrapper with one more key, which older versions and ops/s
     {"offsetTable": {...as above...}, "makers": {"<client key>": {"<topic>@<group>": [<queueId>, ...]}}}
 
 A file without "makers" (written before, or by a slave, which counts nothing) charges its offsets to no client.
+A master's queues whose offset was forgotten (``forget``), listed to slaves at -1, are saved with it too, oldest first,
+
+    {"offsetTable": {...}, "forgotten": [["<topic>", "<group>", <queueId>], ...]}
+
+so a restart does not bring a forgotten offset back on a slave that had not copied the -1 yet. Once a consumer's
+first offset of a queue has been written to the first offsets' journal (offset_journal.py), on a slave too, the
+wrapper says the newest line of it the table holds, ``"firsts": <seq>``: a start reads only the lines after it.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from functools import partial
 from protocol.admin_bodies import split_offset_key
 
 from .mapped_file import fsync_dirs, make_dirs
+from .offset_journal import FirstsJournal
 from .saved import DaemonThreads, check, is_int, load_saved, retrieved, save
 
 log = logging.getLogger("txmq.store")
@@ -66,8 +74,9 @@ HUNG_CLOSE_WAIT_S = 2.0
 
 
 # Queues whose offset was forgotten (``forget``) listed to slaves at -1 (``forgotten``), as a Java master lists the
-# -1 it keeps, so each slave forgets its copy too: the newest this many, each until it is committed again. Not saved:
-# one forgotten less than a slave's sync interval (10 s) before the master stops is not copied.
+# -1 it keeps, so each slave forgets its copy too: the newest this many, each until it is committed again. Saved with
+# the table (a master's): kept in memory only, one forgotten less than a slave's sync interval (10 s) before the master
+# stopped was listed by nothing after its restart, and the slave (putAll) kept the old offset for good.
 FORGOTTEN_KEPT = 10_000
 
 FIT_SAID = 10       # offsets lowered at a start said one a line; the rest are summed up in one
@@ -102,6 +111,8 @@ class ConsumerOffsets:
         # _topics: QUERY_TOPIC_CONSUME_BY_WHO walked every offset, and topicList -c and statsAll ask every topic.
         self._groups: dict[str, set[str]] = {}
         self._forgotten: dict[tuple[str, str, int], None] = {}     # oldest first: FORGOTTEN_KEPT
+        # A consumer's first offsets of queues, each on disk before its answer (commit_first) without a whole save
+        self._firsts = FirstsJournal(self.path)
         self._dirty = False
         # What the last background save took (the table, the makers), and the keys changed since: the next one
         # brings that copy up to date with just those keys (_snapshot). None: the next takes a whole copy.
@@ -141,15 +152,26 @@ class ConsumerOffsets:
         # start every group over by its consume-from policy -- skipping what it had not consumed.
         table = load_saved(self.path, _parse_table, "consumer offsets file", log,
                            fallback_cost="at most one save older: groups may see a few messages again",
-                           reset_hint="move both away to start every group over by its consume-from policy")
+                           reset_hint=f"move both and {os.path.basename(self._firsts.path)} away to start every group "
+                                      "over by its consume-from policy")
         self._table = table or {}
         for key in self._table:
             self._index(key)
-        if table is None:
-            return
+        if table is not None:
+            self._load_extras(table)
+        firsts = self._firsts.load(0 if table is None else table.firsts)
+        for _seq, group, topic, queue_id, offset, client in firsts:
+            self.commit(group, topic, queue_id, offset, client)      # (dirty: the next save holds them)
+        if firsts:
+            log.info("consumer offsets: %d first offset(s) of queues committed after the last save read back from "
+                     "%s", len(firsts), self._firsts.path)
+
+    def _load_extras(self, table: "_Table") -> None:
         # taken off the table, not left on it as a second copy for good (on a slave, the only one, never read)
         makers, table.makers = table.makers, {}
+        forgotten, table.forgotten = table.forgotten, []
         if self.per_host:
+            self._forgotten = dict.fromkeys(forgotten[-FORGOTTEN_KEPT:])
             self._maker = makers
             for client in makers.values():
                 self._made_by[client] = self._made_by.get(client, 0) + 1
@@ -173,6 +195,31 @@ class ConsumerOffsets:
             self._changed.add(key)
             self._dirty = True
             self._changes += 1
+
+    def commit_first(self, group: str, topic: str, queue_id: int, offset: int, client: str | None):
+        """``commit`` a group's first offset of a queue and return once it is on disk: a line appended to the first
+        offsets' journal, shared by every first commit meanwhile (one fsync), not a save of the whole table (which
+        cost a pull consumer committing new queue after queue a paced save each: 150 ms a commit at 10,000 offsets,
+        past a client's 3 s timeout at 100,000). OSError when it cannot be (ETIMEDOUT past ``write_hung_s``).
+        Committed and numbered at once (a save's snapshot holds every line numbered before it); the wait is
+        the awaitable returned."""
+        self.commit(group, topic, queue_id, offset, client)
+        return self._first_written(self._firsts.add(group, topic, queue_id, offset, client))
+
+    async def _first_written(self, line: asyncio.Future) -> None:
+        if self.write_hung:
+            raise OSError(errno.ETIMEDOUT, f"a consumer offsets write has not ended in {self.write_hung_s:g} s "
+                                           "(a hung disk or a stopped network file system?)")
+        try:
+            await asyncio.wait_for(asyncio.shield(line), self.write_hung_s)
+        except TimeoutError:
+            exc = OSError(errno.ETIMEDOUT, f"the first offsets' journal {self._firsts.path} has not been written in "
+                                           f"{self.write_hung_s:g} s (a hung disk or a stopped network file system?)")
+            self._save_failed(exc)
+            raise exc from None
+        except OSError as exc:
+            self._save_failed(exc)
+            raise
 
     def of(self, group: str, topic: str) -> dict[int, int]:
         """``group``'s offsets on ``topic`` by queue id (O(its queues))."""
@@ -242,8 +289,12 @@ class ConsumerOffsets:
         cleanOffsetByTopic and removeOffset take the -1 it keeps: listed on, a Java slave (putAll) took the deleted
         topic's or group's entries back into its table at every sync (FORGOTTEN_KEPT at most: a short walk)."""
         if self._forgotten:
-            for key in [key for key in self._forgotten if gone(key)]:
+            gone = [key for key in self._forgotten if gone(key)]
+            for key in gone:
                 del self._forgotten[key]
+            if gone:                # (saved with the table: a restart listed them again)
+                self._dirty = True
+                self._changes += 1
 
     def _remove(self, keys) -> None:
         for key in keys:
@@ -325,7 +376,8 @@ class ConsumerOffsets:
         # On the saves' thread, behind any write still running there, and bounded: run here on the loop, behind a
         # write that hung (a stopped NFS) the stop blocked the loop for good and SIGTERM never ended the process.
         self._dirty = False
-        last = asyncio.ensure_future(self._write_off_loop((dict(self._table), dict(self._maker)), *self._take_save()))
+        last = asyncio.ensure_future(self._write_off_loop(
+            (dict(self._table), dict(self._maker), *self._extras()), *self._take_save()))
         last.add_done_callback(retrieved)
         try:
             await self._last_save(last)
@@ -341,6 +393,7 @@ class ConsumerOffsets:
         else:
             self._wrote()
         finally:
+            self._firsts.close()
             if self._thread is not None:
                 self._thread.shutdown(wait=False)
                 self._thread = None
@@ -414,7 +467,7 @@ class ConsumerOffsets:
     def saving(self) -> asyncio.Future | None:
         """A future that ends with the next step of the saves under way (a write, ``saved``'s save, a paced one);
         None when none is. A stop waits on it past its grace for requests waiting on those saves."""
-        under_way = [f for f in (self._saving, self._paced) if f is not None and not f.done()]
+        under_way = [f for f in (self._saving, self._paced, self._firsts.in_flight()) if f is not None and not f.done()]
         if self._writing:
             under_way.append(self._write_end())
         return asyncio.ensure_future(asyncio.wait(under_way, return_when=asyncio.FIRST_COMPLETED)) \
@@ -560,7 +613,7 @@ class ConsumerOffsets:
 
     async def _save_now(self) -> None:
         self._dirty = False
-        snapshot = dict(self._table), dict(self._maker)
+        snapshot = dict(self._table), dict(self._maker), *self._extras()
         try:
             await self._write_off_loop(snapshot, *self._take_save())
         except OSError as exc:
@@ -573,7 +626,13 @@ class ConsumerOffsets:
         self._save_worked()
         self._wrote()
 
-    def _snapshot(self) -> tuple[dict, dict]:
+    def _extras(self) -> tuple[list[tuple[str, str, int]], int]:
+        """What a save holds besides the table and its makers: the forgotten queues (a copy, oldest first: a
+        master's; a slave lists none to anyone), and the newest line of the first offsets' journal the table holds
+        (every one numbered so far: each was committed in memory first)."""
+        return list(self._forgotten) if self.per_host else [], self._firsts.seq
+
+    def _snapshot(self) -> tuple[dict, dict, list, int]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save
         took, brought up to date with the keys changed since: a whole copy each save held the loop 11-55 ms at
         100,000 offsets, however few had changed (1,000 changed: 0.3 ms). Only _persist_loop takes it, one save at
@@ -582,7 +641,7 @@ class ConsumerOffsets:
         if self._copy is None or len(self._changed) > len(self._table) // 16:
             self._changed.clear()
             self._copy = dict(self._table), dict(self._maker)
-            return self._copy
+            return (*self._copy, *self._extras())
         table, maker = self._table, self._maker
         saved_table, saved_maker = self._copy
         for key in self._changed:
@@ -596,16 +655,18 @@ class ConsumerOffsets:
             else:
                 saved_maker.pop(key, None)
         self._changed.clear()
-        return self._copy
+        return (*self._copy, *self._extras())
 
     def persist(self) -> None:
         """Write the table now (blocking)."""
         self._dirty = False
         try:
-            self._write(_encode(self._table, self._maker), *self._take_save())
+            snapshot = self._table, self._maker, *self._extras()
+            self._write(_encode(*snapshot), *self._take_save())
         except OSError:
             self._dirty = True
             raise
+        self._firsts.trim(snapshot[3])
 
     def _take_save(self) -> tuple[int, int]:
         """On the loop, with the table it saves: this save's number and the changes it holds (``_write``)."""
@@ -617,6 +678,9 @@ class ConsumerOffsets:
         self._io_began = time.monotonic()       # a hang is timed from here (_check_hung): an encode is only slow
         try:
             self._write(data, number, changes)
+            # The journal's lines this table holds. Watched for a hang as the write: behind the journal's lock, an
+            # append that hung (a stopped NFS) held it for good, said by nothing, callers of ``saved`` unanswered.
+            self._firsts.trim(snapshot[3])
         finally:
             self._io_began = None
 
@@ -633,27 +697,36 @@ class ConsumerOffsets:
         save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
 
 
-def _encode(table: dict, maker: dict) -> bytes:
+def _encode(table: dict, maker: dict, forgotten=(), firsts: int = 0) -> bytes:
     # Not sorted first: sort_keys orders every level as written anyway, and sorting the whole table (100,000
     # (group, topic, queue) keys: 40-100 ms) is one C call that holds the GIL, the loop stopped for all of it
     # though this runs on a thread.
     out: dict[str, dict[str, int]] = {}
     for (group, topic, qid), offset in table.items():
         out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
-    if not maker:               # as before: nothing to say (and a slave's file stays RocketMQ's plain table)
+    if not maker and not forgotten and not firsts:  # nothing to say (a slave's file stays RocketMQ's plain table)
         return json.dumps(out, indent=1, sort_keys=True).encode()
     makers: dict[str, dict[str, list[int]]] = {}
     for (group, topic, qid), client in maker.items():      # (keys sorted by dumps; queue ids as made)
         makers.setdefault(client, {}).setdefault(f"{topic}@{group}", []).append(qid)
-    return json.dumps({"offsetTable": out, "makers": makers}, indent=1, sort_keys=True).encode()
+    wrapper = {"offsetTable": out, "makers": makers}
+    if forgotten:       # (oldest first: a list, which dumps keeps in order)
+        wrapper["forgotten"] = [[topic, group, qid] for group, topic, qid in forgotten]
+    if firsts:
+        wrapper["firsts"] = firsts
+    return json.dumps(wrapper, indent=1, sort_keys=True).encode()
 
 
 class _Table(dict):
-    """(group, topic, queue id) -> offset, and ``makers``: (group, topic, queue id) -> the client that made it."""
+    """(group, topic, queue id) -> offset, ``makers``: (group, topic, queue id) -> the client that made it,
+    ``forgotten``: the (group, topic, queue id) forgotten, oldest first, and ``firsts``: the newest line of the
+    first offsets' journal the table holds (offset_journal.py)."""
 
     def __init__(self):
         super().__init__()
         self.makers: dict[tuple[str, str, int], str] = {}
+        self.forgotten: list[tuple[str, str, int]] = []
+        self.firsts = 0
 
 
 def _parse_table(raw) -> _Table:
@@ -662,11 +735,13 @@ def _parse_table(raw) -> _Table:
     One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
     start its group over on those queues without a word."""
     check(isinstance(raw, dict), "not a JSON object")
-    makers = {}
+    makers, forgotten, firsts = {}, [], 0
     if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
-        makers = raw.get("makers", {})
+        makers, forgotten, firsts = raw.get("makers", {}), raw.get("forgotten", []), raw.get("firsts", 0)
         raw = raw["offsetTable"]
+    check(is_int(firsts) and firsts >= 0, f"firsts = {firsts!r}")
     table = _Table()
+    table.firsts = firsts
     for key, queues in raw.items():
         # (a group name may hold "@", even end in it -- names are not checked: "T@odd@" is group "odd@" of T;
         # refused, one client's name sent every start to the older copy)
@@ -686,4 +761,11 @@ def _parse_table(raw) -> _Table:
             for qid in qids:
                 if (split[1], split[0], qid) in table:      # (one no longer in the table is nobody's)
                     table.makers[(split[1], split[0], qid)] = client
+    check(isinstance(forgotten, list), f"forgotten = {forgotten!r}")
+    for entry in forgotten:
+        check(isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], str)
+              and is_int(entry[2]), f"forgotten entry {entry!r}")
+        key = (entry[1], entry[0], entry[2])
+        if key not in table:        # (committed again since: not forgotten)
+            table.forgotten.append(key)
     return table

@@ -354,6 +354,14 @@ async def test_a_group_deleted_with_its_offsets_on_the_master_loses_them_on_the_
             p.kill()
 
 
+async def _commit(pool, broker, group: str, qid: int, offset: int) -> None:
+    """UPDATE_CONSUMER_OFFSET of ``group`` on TOPIC's queue ``qid``, answered SUCCESS (a client that is no consumer
+    of the group: saved before it)."""
+    reply = await pool.request(broker.broker, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+        "consumerGroup": group, "topic": TOPIC, "queueId": qid, "commitOffset": offset}), 3.0)
+    assert reply.code == ResponseCode.SUCCESS, reply.remark
+
+
 async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave_too(tmp_path):
     """UPDATE_CONSUMER_OFFSET -1 forgets a queue's offset on the master (as 4.9.8 reads the -1 it keeps); the slave's
     copy (putAll) kept the old one (17) while the group held other offsets, so a consumer failing over to the slave
@@ -363,10 +371,8 @@ async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave
     started = []
     pool = ConnectionPool()
 
-    async def commit(qid: int, offset: int) -> None:
-        reply = await pool.request(master.broker, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
-            "consumerGroup": "CG_forgot", "topic": TOPIC, "queueId": qid, "commitOffset": offset}), 3.0)
-        assert reply.code == ResponseCode.SUCCESS, reply.remark
+    def commit(qid: int, offset: int):
+        return _commit(pool, master, "CG_forgot", qid, offset)
 
     try:
         ns, master, slave = _name_server_master_slave(tmp_path, "broker-fq", started, "--slave-sync-interval-ms", "200")
@@ -379,6 +385,51 @@ async def test_a_queues_offset_forgotten_on_the_master_is_forgotten_on_the_slave
             await commit(mq.queue_id, -1)
             await _until_slave_has_offset(slave, "CG_forgot", mq, 0)      # as the master answers now
             await _until_slave_has_offset(slave, "CG_forgot", other, 5)
+    finally:
+        await pool.close()
+        for p in reversed(started):
+            p.kill()
+
+
+async def test_a_queue_forgotten_just_before_the_masters_kill_is_still_forgotten_on_the_slave(tmp_path):
+    """The queues a master lists at -1 for its slaves to forget were kept in its memory only: a queue forgotten
+    while the slave was away (or less than a sync interval before the master went), then the master killed -9 and
+    back, was listed by nothing, and the slave (putAll) kept the old offset (17) for good where the master answered
+    0: a consumer failing over to it skipped what the client had asked to read again. They are saved with the
+    offsets now: after the restart the master lists it at -1 again and the slave forgets its copy."""
+    from tests.support.broker_process import BrokerProcess
+    from tests.support.cluster_process import cluster_flags
+
+    started = []
+    pool = ConnectionPool()
+    group = "CG_forgot_kill"
+
+    def commit(broker, qid: int, offset: int):
+        return _commit(pool, broker, group, qid, offset)
+
+    try:
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-fk", started, "--slave-sync-interval-ms", "200")
+        async with asyncio.timeout(90):
+            mq = await _thirty_sent(ns, "PG_forgot_kill", "k")
+            other = MessageQueue(mq.topic, mq.broker_name, 1 if mq.queue_id == 0 else 0)
+            await commit(master, other.queue_id, 5)
+            await commit(master, mq.queue_id, 17)
+            await _until_slave_has_offset(slave, group, mq, 17)
+            await _until_slave_has_offset(slave, group, other, 5)
+            assert slave.stop() == 0, slave.log()
+            await commit(master, mq.queue_id, -1)          # no consumer of the group: on disk before SUCCESS
+            master.kill()
+            master = BrokerProcess(tmp_path / "master", *master.flags).start()
+            started.append(master)
+            slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, "broker-fk", 1000), "--broker-role",
+                                  "SLAVE", "--broker-id", "1", "--ha-master-addr", master.ha,
+                                  "--ha-heartbeat-interval-ms", "500", "--slave-sync-interval-ms", "200").start()
+            started.append(slave)
+            await commit(master, other.queue_id, 6)        # the slave's first copy after the restart holds it
+            await _until_slave_has_offset(slave, group, other, 6)
+            reply = await pool.request(slave.broker, RemotingCommand.request(RequestCode.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": TOPIC, "queueId": mq.queue_id}), 3.0)
+            assert (reply.code, reply.int_field("offset")) == (ResponseCode.SUCCESS, 0), reply.remark
     finally:
         await pool.close()
         for p in reversed(started):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import tempfile
@@ -261,11 +262,11 @@ async def test_a_background_save_still_encoding_at_close_never_writes_its_older_
     encoding, release, finished = threading.Event(), threading.Event(), threading.Event()
     real_encode = offsets_mod._encode
 
-    def held_encode(table, maker):
+    def held_encode(*snapshot):
         if not encoding.is_set():           # the background save's, not close's
             encoding.set()
             assert release.wait(5)
-        return real_encode(table, maker)
+        return real_encode(*snapshot)
 
     monkeypatch.setattr(offsets_mod, "_encode", held_encode)
     offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=0.001)
@@ -999,11 +1000,11 @@ async def test_a_save_slow_to_encode_is_not_taken_as_hung_nor_given_up_at_stop(t
     from broker.store import offsets as offsets_mod
     real_encode, go, encoding = offsets_mod._encode, threading.Event(), threading.Event()
 
-    def slow_encode(table, maker):
+    def slow_encode(*snapshot):
         if not go.is_set():
             encoding.set()
             assert go.wait(15)
-        return real_encode(table, maker)
+        return real_encode(*snapshot)
     monkeypatch.setattr(offsets_mod, "_encode", slow_encode)
     offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
     offsets.write_hung_s = 0.2
@@ -1098,3 +1099,198 @@ def test_a_deleted_topics_or_groups_forgotten_queues_are_no_longer_listed(tmp_pa
     assert offsets.forgotten() == [("A", "U", 0), ("B", "U", 0)]
     offsets.remove_group("B")
     assert offsets.forgotten() == [("A", "U", 0)]
+
+
+@bounded(10)
+async def test_forgotten_queues_are_saved_with_the_table_and_listed_again_after_a_restart(tmp_path):
+    """The queues a master lists to its slaves at -1 were held in memory only: forgotten less than a slave's sync
+    interval before the master stopped, they were listed by nothing after its restart, and the slave (putAll) kept
+    the old offset for good. Saved with the table now (oldest first, bounded as in memory); one committed again,
+    or whose topic is deleted, is not listed after the restart; a slave's file stays RocketMQ's plain table."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    for group, topic in (("A", "T"), ("B", "T"), ("A", "GONE"), ("C", "T")):
+        offsets.commit(group, topic, 0, 5)
+        offsets.forget(group, topic, 0)
+    offsets.commit("B", "T", 0, 1)          # committed again: not forgotten any more
+    offsets.remove_topic("GONE")
+    await offsets.close()
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.forgotten() == [("A", "T", 0), ("C", "T", 0)] and again.get("B", "T", 0) == 1
+    again.remove_group("A")                 # nothing else changes: the removal alone is saved
+    await again.saved()
+    assert ConsumerOffsets(str(tmp_path)).forgotten() == [("C", "T", 0)]
+    slave = ConsumerOffsets(str(tmp_path / "slave"), per_host=False)
+    slave.commit("A", "T", 0, 5)
+    slave.forget("A", "T", 0)
+    slave.commit("A", "T", 1, 5)
+    slave.persist()
+    assert json.loads((tmp_path / "slave" / "config" / "consumerOffset.json").read_text()) == {"T@A": {"1": 5}}
+
+
+@pytest.mark.parametrize("forgotten", [{}, [["T", "g"]], [["T", "g", "0"]], [[1, "g", 0]]])
+def test_malformed_forgotten_queues_make_the_file_damaged(forgotten):
+    from broker.store.offsets import _parse_table
+    with pytest.raises(ValueError):
+        _parse_table({"offsetTable": {"T@g": {"0": 5}}, "forgotten": forgotten})
+
+
+def _journal_lines(tmp_path) -> list:
+    path = tmp_path / "config" / "consumerOffset.json.firsts"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@bounded(10)
+async def test_a_first_offset_is_on_disk_before_its_wait_ends_without_a_save_of_the_table(tmp_path):
+    """commit_first: a line of the first offsets' journal, one fsync shared by every first commit meanwhile, not
+    a save of the whole table (a paced save each: 150 ms a commit at 10,000 offsets, past a client's 3 s timeout at
+    100,000). Read back at a start without any save since (a kill -9), with who made it; numbering goes on."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    offsets.commit("old", "T", 0, 9)
+    offsets.persist()
+    table = (tmp_path / "config" / "consumerOffset.json").read_bytes()
+    await asyncio.gather(*(offsets.commit_first("g", "T", q, q * 10, "10.0.0.1") for q in range(5)))
+    assert (tmp_path / "config" / "consumerOffset.json").read_bytes() == table      # no save of the table
+    assert [line[:5] for line in _journal_lines(tmp_path)] == [[q + 1, "T", "g", q, q * 10] for q in range(5)]
+    killed = ConsumerOffsets(str(tmp_path))                                          # (no close: as a kill -9)
+    assert killed.of("g", "T") == {q: q * 10 for q in range(5)} and killed.get("old", "T", 0) == 9
+    assert killed.made_by("10.0.0.1") == 5
+    await offsets.close()
+
+
+@bounded(10)
+async def test_a_save_trims_the_lines_it_holds_and_a_start_never_reads_them_back_over_it(tmp_path):
+    """A save of the table says the newest journal line it holds ("firsts") and trims those lines off once its
+    previous copy holds them too, so the file holds about two save periods of first commits (left, it grew with
+    every one for good). A line the table holds is never read back over it: a topic deleted (saved) after its first offset stays deleted, and an offset
+    moved on stays moved, even when the trim did not happen (a crash between the save and it)."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    await offsets.commit_first("g", "GONE", 0, 5, None)
+    await offsets.commit_first("g", "T", 0, 5, None)
+    kept = _journal_lines(tmp_path)
+    offsets.remove_topic("GONE")
+    offsets.commit("g", "T", 0, 8)
+    await offsets.saved()
+    assert [line[0] for line in _journal_lines(tmp_path)] == [1, 2]     # kept: the previous copy holds neither
+    await offsets.commit_first("g", "T", 1, 3, None)
+    await offsets.saved()
+    assert [line[0] for line in _journal_lines(tmp_path)] == [3]        # numbering goes on; 1, 2 in both copies
+    await offsets.close()
+    path = tmp_path / "config" / "consumerOffset.json.firsts"
+    path.write_text("".join(json.dumps(line) + "\n" for line in kept) + '[4, "T", "g", 2, 7')   # + a cut line
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.of("g", "T") == {0: 8, 1: 3} and again.of("g", "GONE") == {}
+    await again.open()                      # the cut line is gone: a line appended now reads whole
+    await again.commit_first("g", "T", 5, 1, None)
+    assert [line[:2] for line in _journal_lines(tmp_path)] == [[1, "GONE"], [2, "T"], [4, "T"]]
+    assert ConsumerOffsets(str(tmp_path)).of("g", "T") == {0: 8, 1: 3, 5: 1}
+    await again.close()
+    assert [line[0] for line in _journal_lines(tmp_path)] == [4]    # (the stop's save holds it; its previous copy not)
+
+
+def test_a_damaged_journal_line_is_skipped_and_said(tmp_path, caplog):
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "consumerOffset.json.firsts").write_text(
+        '[1, "T", "g", 0, 5, null]\nnot json\n[2, "T", "g", 1, 6, null]\n')
+    offsets = ConsumerOffsets(str(tmp_path))
+    assert offsets.of("g", "T") == {0: 5, 1: 6}
+    assert any("do not read (lines 2)" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+
+
+@bounded(10)
+async def test_a_journal_append_cut_short_by_a_full_disk_is_an_error_and_leaves_no_torn_line(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """A full disk cuts a write short (os.write returns fewer bytes, no error): the cut line was fsync'ed and its
+    first commit answered as on disk, and the next line appended joined it -- neither read back at a start (one
+    ERROR "do not read"), both consumers starting over by their consume-from policy. Now a short write is an
+    error to its waiters and the file is cut back to its last whole line, so the next append reads whole."""
+    from broker.store import offset_journal
+    real_write, cut = os.write, []
+
+    def full_disk_write(fd, data):
+        if bytes(data[:4]) == b"[2, ":      # (the journal's second line; any other write as it is)
+            cut.append(len(data))
+            return real_write(fd, data[:len(data) // 2])        # what fitted
+        if len(cut) == 1:
+            cut.append(len(data))
+            raise OSError(errno.ENOSPC, "No space left on device")     # the rest: none
+        return real_write(fd, data)
+
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    await offsets.commit_first("g", "T", 0, 5, None)
+    monkeypatch.setattr(offset_journal.os, "write", full_disk_write)
+    with pytest.raises(OSError):
+        await offsets.commit_first("g", "T", 1, 6, None)
+    await offsets.commit_first("g", "T", 2, 7, None)
+    assert len(cut) == 2
+    assert [line[:5] for line in _journal_lines(tmp_path)] == [[1, "T", "g", 0, 5], [3, "T", "g", 2, 7]]
+    killed = ConsumerOffsets(str(tmp_path))                   # (no close: as a kill -9)
+    assert killed.of("g", "T") == {0: 5, 2: 7}
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
+    await offsets.close()
+
+
+@bounded(10)
+async def test_a_damaged_journal_line_said_at_a_start_is_dropped_by_the_next_save(tmp_path, caplog):
+    """A line that does not read, said at ERROR at the start, was kept by every trim: said again at every start for
+    good (its offset was never read, and the table holds all the rest), and the file never trimmed empty."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "consumerOffset.json.firsts").write_text('[1, "T", "g", 0, 5, null]\nnot json\n')
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    assert [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
+    await offsets.saved()
+    await offsets.close()
+    caplog.clear()
+    assert ConsumerOffsets(str(tmp_path)).of("g", "T") == {0: 5}
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "do not read" in r.getMessage()]
+    assert (config / "consumerOffset.json.firsts").read_bytes() == b""
+
+
+@bounded(10)
+async def test_a_save_held_by_a_hung_journal_append_is_said_hung_as_a_hung_write(tmp_path, caplog):
+    """A save trims the first offsets' journal after its write, behind the journal's lock: held by an append that
+    hung (a stopped NFS), the trim waited for good, outside the time a save is watched for a hang -- never said hung
+    (no gauge, no ERROR), every caller of ``saved`` (an admin's move) unanswered though its table was on disk.
+    Watched as its write now."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    offsets.write_hung_s = 0.2
+    await offsets.open()
+    await offsets.commit_first("g", "T", 0, 5, None)
+    await offsets.saved()                       # (the next save trims that line: both copies hold it)
+    offsets._firsts._file_lock.acquire()        # as an append hung on the journal's thread holds it
+    try:
+        offsets.commit("g", "T", 0, 6)
+        await offsets.saved()           # (the table is on disk: answered once the trim behind it is said hung)
+        assert offsets.write_hung and "consumer offsets: a write has not ended" in caplog.text
+        assert ConsumerOffsets(str(tmp_path)).get("g", "T", 0) == 6
+    finally:
+        offsets._firsts._file_lock.release()
+    while offsets.write_hung:           # the trim goes on once the append ends
+        await asyncio.sleep(0.01)
+    await offsets.close()
+
+
+@bounded(10)
+async def test_a_first_offset_survives_a_start_from_the_previous_copy_of_a_damaged_table(tmp_path, caplog):
+    """A damaged table is read from its previous copy (.bak, one save older: "groups may see a few messages
+    again"). Each save trimmed the journal's lines its own table held, so a first offset committed between the two
+    saves was in neither file: the group had no offset there and started by its consume-from policy (at the end:
+    the messages sent meanwhile passed over). A save trims only the lines the previous copy holds too."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    await offsets.commit_first("g", "T", 0, 5, None)
+    await offsets.saved()
+    await offsets.commit_first("g", "T", 1, 6, None)
+    offsets.commit("g", "T", 0, 7)
+    await offsets.saved()
+    await offsets.commit_first("g", "T", 2, 8, None)
+    (tmp_path / "config" / "consumerOffset.json").write_text("{damaged")          # (no close: as a kill -9)
+    again = ConsumerOffsets(str(tmp_path))
+    assert again.of("g", "T") == {0: 5, 1: 6, 2: 8}
+    await offsets.close()
