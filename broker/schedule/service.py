@@ -696,13 +696,16 @@ class ScheduleService:
         past them: read by nobody (RocketMQ 4.9.8's schedule walks its configured levels alone), they were never
         delivered, nor counted as waiting. They are read at the last level's delay now, as a send asking past it
         is: by correctDeliverTimestamp, one due further ahead than that from now goes at once, the others at their
-        own time (as a configured level's messages when its delay is shortened), said once here."""
+        own time (as a configured level's messages when its delay is shortened), said once here. A level whose
+        waiting messages retention removed, all of them, is read too: recover() counts and says them as removed,
+        as a configured level's (left out, they were neither)."""
         store, top = self.ctx.store, self.levels.max_level
         done = self.progress.levels
-        past = {qid + 1: store.max_offset(SCHEDULE_TOPIC, qid)
-                - max(store.min_offset(SCHEDULE_TOPIC, qid), done.get(qid + 1, 0))
-                for topic, qid in store.queues() if topic == SCHEDULE_TOPIC and qid >= top}
-        past = {level: n for level, n in sorted(past.items()) if n > 0}
+        undone = {qid + 1: (store.min_offset(SCHEDULE_TOPIC, qid), store.max_offset(SCHEDULE_TOPIC, qid))
+                  for topic, qid in store.queues() if topic == SCHEDULE_TOPIC and qid >= top}
+        undone = {level: (lo, hi) for level, (lo, hi) in sorted(undone.items()) if hi > done.get(level, 0)}
+        past = {level: hi - max(lo, done.get(level, 0)) for level, (lo, hi) in undone.items()}
+        past = {level: n for level, n in past.items() if n > 0}
         if past:
             # (not "at the last level's delay": one due an hour on went at once, by correctDeliverTimestamp's rule)
             config = getattr(self.ctx, "config", None)
@@ -713,7 +716,7 @@ class ScheduleService:
                         "messages waiting (%s): those due more than the last level's delay, %d ms, from now are "
                         "delivered at once, the others at their time%s", top,
                         ", ".join(f"level {level}: {n}" for level, n in past.items()), self.levels.delays_ms[-1], then)
-        return max([top, *past])
+        return max([top, *undone])
 
     # ----------------------------------------------------------- views
     def waiting(self) -> list[tuple[str, int]]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -83,8 +84,11 @@ def _epoch_ms(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ops.spark", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # whole flag names only, its commands' too, as the broker's (broker/cli.py): `--retention 24` was taken for
+    # --retention-hours, and a flag added later under a shorter name would change what an old cron line meant
+    parser = argparse.ArgumentParser(prog="python -m ops.spark", description=__doc__, allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     r = sub.add_parser("rollup", help="hourly/daily metrics as Parquet + an HTML/CSV report")
     _spark_args(r)
     r.add_argument("--out", required=True, help="output directory (Parquet tables and report/)")

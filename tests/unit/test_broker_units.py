@@ -157,8 +157,9 @@ def test_a_cluster_with_ports_closer_than_3_serves_no_vip_channel():
 def _parsers():
     from broker import admin, cli, cluster
     from broker.namesrv.config import NamesrvConfig
+    from ops.spark import cli as spark
     return {"broker": cli.build_parser(), "namesrv": cli.build_parser(NamesrvConfig, "NAMESRV_"),
-            "admin": admin.build_parser(), "cluster": cluster.build_parser()}
+            "admin": admin.build_parser(), "cluster": cluster.build_parser(), "spark": spark.build_parser()}
 
 
 
@@ -167,12 +168,17 @@ def _parsers():
     ("broker", ["--stor", "/tmp/x"], ["--store-dir", "/tmp/x"]), ("namesrv", ["--po", "0"], ["--port", "0"]),
     ("admin", ["--brok=127.0.0.1:1", "list"], ["--broker=127.0.0.1:1", "list"]),
     ("admin", ["list", "--lim", "1"], ["list", "--limit", "1"]),
-    ("cluster", ["--store-root", "/nowhere", "--brok", "3"], ["--store-root", "/nowhere", "--brokers", "3"])])
+    ("cluster", ["--store-root", "/nowhere", "--brok", "3"], ["--store-root", "/nowhere", "--brokers", "3"]),
+    # txmq-spark writes the expiry plans retention's dead letters come from: `--retention 1` was --retention-hours
+    ("spark", ["expiry", "--out", "p.json", "--retention", "1"], ["expiry", "--out", "p.json", "--retention-hours", "1"]),
+    ("spark", ["expiry", "--out", "p.json", "--now", "1700000000000"],
+     ["expiry", "--out", "p.json", "--now-ms", "1700000000000"])])
 def test_a_prefix_of_a_flag_is_refused_not_taken_for_the_flag(command, prefix, whole, capsys):
     """argparse took a prefix of a flag for the flag: `--max-undecided 8`, given to a broker before that flag
     existed, set --max-undecided-per-group to 8 (every group limited to 8 undecided transactions) without a
     word, and any flag added later under a shorter name silently changes what an old command line meant. Every
-    txmq command line (broker, namesrv, admin and its actions, cluster) takes whole flag names only."""
+    txmq command line (broker, namesrv, admin and its actions, cluster, txmq-spark and its commands) takes whole
+    flag names only."""
     parser = _parsers()[command]
     parser.parse_args(whole)
     with pytest.raises(SystemExit) as exc:

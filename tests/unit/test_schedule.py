@@ -728,6 +728,34 @@ async def test_waiting_messages_retention_removed_while_the_broker_was_down_are_
 
 
 @bounded()
+async def test_messages_retention_removed_at_a_level_the_restart_no_longer_has_are_counted_and_said(tmp_path, caplog):
+    """Messages waiting at a level a restart's shorter message_delay_level dropped are read at its last level (the
+    delay-level fix), but only a level still holding some was: one whose waiting messages retention had all removed
+    while the broker was down was left out, so they were neither counted in txmq_schedule_dropped_total{reason=
+    "removed"} nor said, as a configured level's are (3 lost at level 3, restarted with 2 levels: 0, no line)."""
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    store = svc.ctx.store
+    for i in range(3):
+        await _schedule(svc, "T", b"lost-%d" % i, {"DELAY": "3"}, clock.now)
+    while len(store.segments()) < 2:
+        assert (await store.put(PutRequest.build("Filler", b"f" * 100_000))).ok
+    await svc.stop()
+    await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+
+    with caplog.at_level("WARNING", logger="txmq.schedule"):
+        svc = await _service(tmp_path, clock, levels="1s 5s")
+    assert svc.ctx.metrics.registry.get_sample_value("txmq_schedule_dropped_total", {"reason": "removed"}) == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "txmq.schedule"]
+    assert said == ["schedule recovery: 3 waiting messages were removed by retention before delivery (level 3 "
+                    "offsets 0..2); moved past them"]       # (none waits there: no line that some do)
+    assert dict(svc.waiting()).get("3", 0) == 0
+    await svc.stop()
+    await svc.ctx.store.close()
+
+
+@bounded()
 async def test_removed_timers_are_passed_over_a_bounded_number_a_progress_record(tmp_path, monkeypatch):
     """Each removed timer is named in the progress record of the batch that passes over it; a million of them in
     one record would be refused as too large, every second, and all delivery would stall behind it."""
