@@ -140,3 +140,23 @@ def test_after_fridays_segment_is_removed_monday_is_whole_unless_the_manifest_ca
     summary = run_rollup(spark, store, out)
     left = {(x["date"], x["table"]) for x in summary["left_as_is"]}
     assert left == {(DATES[4], "traffic"), (DATES[4], "transactions")}, left
+
+
+def test_a_nightly_run_after_missed_nights_rolls_up_the_days_missed_too(spark, tmp_path):
+    """The host was down Friday and Saturday nights (the timer runs once at boot, for yesterday): Sunday's run
+    found no Saturday row and rolled up Sunday alone, Friday and Saturday out of the tables and reports for good,
+    nothing said but an INFO line. The days since the last one rolled up are rolled up with it."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    run_rollup(spark, store, out, date=DATES[0])
+    summary = run_rollup(spark, store, out, date=DATES[3])
+    assert summary["dates"] == list(DATES[1:4]) and not summary["left_as_is"]
+    assert sorted(os.listdir(os.path.join(out, "transactions"))) == [f"date={d}" for d in DATES[:4]]
+    assert totals(spark, out, DATES[1])[0] > 72                 # Friday's hourly 72 and its segment's fill
+    for d in DATES[1:4]:
+        assert totals(spark, out, d)[1] == {"*": 1, "pg-a": 1}, d
+        assert os.path.exists(os.path.join(out, "report", f"txmq-{d}.csv")), d
+    again = run_rollup(spark, store, out, date=DATES[4])       # and the next night is incremental again
+    assert again["dates"] == [DATES[4]] and again["incremental"]
