@@ -194,3 +194,39 @@ def test_the_report_names_a_user_topic_spelled_like_the_transaction_topics(spark
     assert going
     assert {t["topic"] for t in plan["report"]["messages_by_topic"]} == {"RMQ_SYS_Orders"}
     assert plan["report"]["unconsumed"] == [{"topic": "RMQ_SYS_Orders", "group": "cg-sys", "messages": len(going)}]
+
+
+def test_a_segment_stamped_ahead_of_the_plan_is_said_at_warning_with_what_it_holds_back(spark, tmp_path):
+    """A record stamped a month ahead (the broker's clock was, for a while) kept its segment and every newer one out
+    of each night's plan, said in the INFO line a young segment gets: no segment was ever planned again, unheard."""
+    import logging
+
+    from ops.spark.expiry import build_plan
+
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=SEG) as b:
+        for i in range(40):
+            b.at(NOW - 100 * H + i).send("Orders")
+        b.at(NOW + 720 * H).send("Orders")                     # the clock a month ahead, then put back
+        for i in range(80):
+            b.at(NOW - 90 * H + i).send("Orders")
+        for i in range(40):
+            b.at(NOW - H + i).send("Orders")
+        written = list(b.written)
+    ahead = next(w for w in written if w.store_ts == NOW + 720 * H).offset // SEG
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append((record.levelno, record.getMessage()))
+
+    log = logging.getLogger("ops.spark")
+    handler = Said(level=logging.WARNING)
+    log.addHandler(handler)
+    try:
+        plan = build_plan(spark, d, retention_ms=72 * H, now_ms=NOW)
+    finally:
+        log.removeHandler(handler)
+    assert [int(s["name"]) // SEG for s in plan["segments"]] == list(range(ahead))
+    warned = [m for _, m in said if m.startswith(f"expiry: keeping segment {ahead * SEG:020d}")]
+    assert warned and f"{720 * H} ms ahead of the time planned for" in warned[0], said
