@@ -287,18 +287,48 @@ def missed_days(spark, out_dir: str, day: dt.date, broker: str) -> list[str]:
     """The days between the newest day of ``broker`` rolled up under out_dir within CATCH_UP_DAYS before ``day``
     and ``day`` (both excluded): nights the nightly run missed (a host down over a weekend: the timer runs once
     at boot, for yesterday). [] when none is rolled up there (a first run, or a gap longer than that)."""
-    F = _F()
     back = [(day - dt.timedelta(days=k)).isoformat() for k in range(2, CATCH_UP_DAYS + 1)]
-    df = _read_dates(spark, os.path.join(out_dir, "transactions"), back)
-    if df is None:
+    last = _newest_day(spark, out_dir, back, broker)
+    if last is None:
+        _said_older(spark, out_dir, day, broker)
         return []
+    start = dt.date.fromisoformat(last) + dt.timedelta(days=1)
+    return [(start + dt.timedelta(days=k)).isoformat() for k in range((day - start).days)]
+
+
+def _newest_day(spark, out_dir: str, dates, broker: str) -> str | None:
+    """The newest of these dates with day rows of ``broker`` in out_dir's transactions table (None: none)."""
+    F = _F()
+    df = _read_dates(spark, os.path.join(out_dir, "transactions"), dates)
+    if df is None:
+        return None
     if "broker" in df.columns:
         df = df.where(F.col("broker") == broker)
     last = df.where(F.col("grain") == "day").agg(F.max("date")).first()[0]
+    return None if last is None else str(last)
+
+
+def _said_older(spark, out_dir: str, day: dt.date, broker: str) -> None:
+    """A WARNING when ``broker``'s newest day under out_dir lies before the catch-up window: the days since are
+    rolled up by no run with --date (read only then: the window's partitions held none of its rows)."""
+    path = os.path.join(out_dir, "transactions")
+    jvm = spark.sparkContext._jvm
+    where = jvm.org.apache.hadoop.fs.Path(path)
+    fs = where.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    if not fs.exists(where):
+        return
+    edge = (day - dt.timedelta(days=CATCH_UP_DAYS)).isoformat()
+    names = [st.getPath().getName() for st in fs.listStatus(where) if st.isDirectory()]
+    older = [n[len("date="):] for n in names if n.startswith("date=") and n[len("date="):] < edge]
+    last = _newest_day(spark, out_dir, older, broker) if older else None
     if last is None:
-        return []
-    start = dt.date.fromisoformat(str(last)) + dt.timedelta(days=1)
-    return [(start + dt.timedelta(days=k)).isoformat() for k in range((day - start).days)]
+        return
+    first, end = dt.date.fromisoformat(last) + dt.timedelta(days=1), day - dt.timedelta(days=1)
+    n = (end - first).days + 1
+    log.warning("rollup: the newest day of %s rolled up under %s is %s, more than %d days before %s: the %d %s "
+                "%s to %s are not rolled up by this run (nightly runs missed for longer than it looks back); roll "
+                "them up with a run without --date (every day the store holds), or with --date for each, oldest "
+                "first", broker, out_dir, last, CATCH_UP_DAYS, day, n, "day" if n == 1 else "days", first, end)
 
 
 def previous_stores(spark, out_dir: str, date: str, broker: str) -> set[str]:
