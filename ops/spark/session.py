@@ -80,9 +80,10 @@ def progress_log(spark, job: str, every: float = PROGRESS_S):
     started = time.monotonic()
 
     def run() -> None:
-        tracker = spark.sparkContext.statusTracker()
+        tracker = None
         while not stop.wait(every):
-            try:
+            try:        # (the tracker too: a context stopped before the first turn raised in the thread)
+                tracker = tracker or spark.sparkContext.statusTracker()
                 line = progress_line(tracker)
             except Exception:  # noqa: BLE001 - the JVM stopping under the job: nothing left to say
                 return

@@ -48,3 +48,22 @@ def test_a_running_job_says_how_far_its_stages_got_without_the_console_bar(spark
     said = [x for x in lines if x.startswith("rollup: ") and "tasks done" in x]
     assert said, lines
     assert " of 2 tasks done, " in said[0] and "1 stage(s) (collect at " in said[0], said[0]
+
+
+def test_a_context_gone_before_the_progress_thread_starts_raises_nothing_from_it(monkeypatch):
+    """The status tracker was asked for outside the thread's guard: a SparkContext stopped (or its gateway gone)
+    before the thread's first turn raised in the thread, a traceback on stderr of a job otherwise ending cleanly."""
+    import threading
+
+    from ops.spark.session import progress_log
+
+    class Gone:
+        @property
+        def sparkContext(self):
+            raise RuntimeError("the SparkContext was shut down")
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    with progress_log(Gone(), "rollup", every=0.01):
+        pass
+    assert raised == []
