@@ -74,6 +74,12 @@ def group_offsets(offsets) -> list[tuple[str, str, int, int]]:
             for q, o in queues.items()]
 
 
+# A segment whose newest record is stamped at most this far ahead of the time planned for is young, not ahead: one
+# sealed after the plan took its time (a scan starts after it), or hosts' clocks a little apart (the broker's own
+# plan_clock_skew_ms). Said at WARNING, "every plan stops there" was false: it is planned once past the retention.
+AHEAD_SLACK_MS = 60_000
+
+
 def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_damaged: bool = False,
                check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     from pyspark.sql import functions as F
@@ -109,7 +115,7 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
                    or ("no record could be read from it" if info is None or seg.name not in scan.ends else None)
                    or (f"its newest record is stamped {info['last']}, {info['last'] - now_ms} ms ahead of the time "
                        f"planned for ({now_ms}): the broker's clock was ahead when it was written, or the plan's "
-                       "--now-ms or this host's clock is behind" if info["last"] > now_ms else None))
+                       "--now-ms or this host's clock is behind" if info["last"] > now_ms + AHEAD_SLACK_MS else None))
             if why:
                 # Not young by the retention: a segment that will not grow old by it, every plan stopping there
                 # night after night (said in an INFO line as the young one is) until the broker's cleaner takes it.
