@@ -136,6 +136,19 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     return merged, None
 
 
+def _undecided(skipped: list) -> int:
+    """1, said on stderr, when a listed half was not expired and is still undecided (the broker could not write its
+    dead letter: a full disk, an I/O error); 0 when every one skipped was decided meanwhile or is young."""
+    left = [s for s in skipped if isinstance(s, dict) and s.get("undecided")]
+    if not left:
+        return 0
+    print(f"{len(left)} listed {'half' if len(left) == 1 else 'halves'} not expired, still undecided: the broker could "
+          f"not dead-letter {'it' if len(left) == 1 else 'them'} (the first, at {left[0].get('commit_log_offset')}: "
+          f"{left[0].get('why')}); free the store's disk or fix what its log says, then apply the plan again (what "
+          "was done is skipped)", file=sys.stderr)
+    return 1
+
+
 def _listed(part) -> int:
     halves = part.get("halves") if isinstance(part, dict) else None
     return len(halves) if isinstance(halves, list) else 0
@@ -239,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if stopped is not None:
             print(stopped, file=sys.stderr)
             return 1
-        return 0
+        return _undecided(summary["skipped"])
     try:
         resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:

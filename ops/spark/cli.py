@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -41,7 +42,7 @@ def _spark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-crc", action="store_true", help="also verify every body CRC (slower)")
     p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_BYTES >> 20,
                    help="split segments into tasks of about this many MiB (default %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no Spark console progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no Spark console progress bar (a line at INFO each minute on the running stages instead)")
 
 
 # Settings the jobs' results rest on. Under another session time zone every hour and day window (UTC
@@ -206,12 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return 2
 
-    from .session import build_session
+    from .session import build_session, progress_log
 
     conf = dict(args.conf)
     spark = build_session(args.master, app_name=f"txmq-{args.command}", shuffle_partitions=args.shuffle_partitions,
                           progress=not args.no_progress, conf=conf)
     scan = {"skip_damaged": args.skip_damaged, "check_crc": args.check_crc, "chunk_bytes": args.chunk_mb << 20}
+    progress = contextlib.ExitStack()
+    if args.no_progress:        # no console bar: a line a minute on how far the running stages got instead
+        progress.enter_context(progress_log(spark, args.command))
     try:
         if args.command == "rollup":
             from .rollup import run_rollup
@@ -240,4 +244,5 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", args.command, text)
         return 2
     finally:
+        progress.close()
         spark.stop()

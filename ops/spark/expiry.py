@@ -74,6 +74,12 @@ def group_offsets(offsets) -> list[tuple[str, str, int, int]]:
             for q, o in queues.items()]
 
 
+# A segment whose newest record is stamped at most this far ahead of the time planned for is young, not ahead: one
+# sealed after the plan took its time (a scan starts after it), or hosts' clocks a little apart (the broker's own
+# plan_clock_skew_ms). Said at WARNING, "every plan stops there" was false: it is planned once past the retention.
+AHEAD_SLACK_MS = 60_000
+
+
 def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_damaged: bool = False,
                check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     from pyspark.sql import functions as F
@@ -107,10 +113,19 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
             info = per_segment.get(seg.name)
             why = (("it is damaged" if seg.name in damaged else None)
                    or ("no record could be read from it" if info is None or seg.name not in scan.ends else None)
-                   or (f"its newest record ({info['last']}) is not older than the retention"
-                       if info["last"] >= cutoff else None))
+                   or (f"its newest record is stamped {info['last']}, {info['last'] - now_ms} ms ahead of the time "
+                       f"planned for ({now_ms}): the broker's clock was ahead when it was written, or the plan's "
+                       "--now-ms or this host's clock is behind" if info["last"] > now_ms + AHEAD_SLACK_MS else None))
             if why:
-                log.info("expiry: keeping segment %s and every newer one: %s", seg.name, why)
+                # Not young by the retention: a segment that will not grow old by it, every plan stopping there
+                # night after night (said in an INFO line as the young one is) until the broker's cleaner takes it.
+                log.warning("expiry: keeping segment %s and every newer one (%d sealed) out of the plan: %s; every "
+                            "plan stops there until the broker's own cleaner removes it", seg.name,
+                            sum(1 for s in scan.segments if not s.active and s.name >= seg.name), why)
+                break
+            if info["last"] >= cutoff:
+                log.info("expiry: keeping segment %s and every newer one: its newest record (%d) is not older than "
+                         "the retention", seg.name, info["last"])
                 break
             chosen.append({"name": seg.name, "start_offset": seg.base, "end_offset": scan.ends[seg.name],
                            "first_store_timestamp": info["first"], "last_store_timestamp": info["last"],

@@ -280,6 +280,57 @@ def previous_undecided(spark, out_dir: str, date: str, broker: str | None = None
     return [(r["producer_group"], r["undecided_at_end"] or 0) for r in rows] or None
 
 
+CATCH_UP_DAYS = 31      # how far back a run with --date looks for the last day rolled up, to roll up those missed
+
+
+def missed_days(spark, out_dir: str, day: dt.date, broker: str) -> list[str]:
+    """The days between the newest day of ``broker`` rolled up under out_dir within CATCH_UP_DAYS before ``day``
+    and ``day`` (both excluded): nights the nightly run missed (a host down over a weekend: the timer runs once
+    at boot, for yesterday). [] when none is rolled up there (a first run, or a gap longer than that)."""
+    back = [(day - dt.timedelta(days=k)).isoformat() for k in range(2, CATCH_UP_DAYS + 1)]
+    last = _newest_day(spark, out_dir, back, broker)
+    if last is None:
+        _said_older(spark, out_dir, day, broker)
+        return []
+    start = dt.date.fromisoformat(last) + dt.timedelta(days=1)
+    return [(start + dt.timedelta(days=k)).isoformat() for k in range((day - start).days)]
+
+
+def _newest_day(spark, out_dir: str, dates, broker: str) -> str | None:
+    """The newest of these dates with day rows of ``broker`` in out_dir's transactions table (None: none)."""
+    F = _F()
+    df = _read_dates(spark, os.path.join(out_dir, "transactions"), dates)
+    if df is None:
+        return None
+    if "broker" in df.columns:
+        df = df.where(F.col("broker") == broker)
+    last = df.where(F.col("grain") == "day").agg(F.max("date")).first()[0]
+    return None if last is None else str(last)
+
+
+def _said_older(spark, out_dir: str, day: dt.date, broker: str) -> None:
+    """A WARNING when ``broker``'s newest day under out_dir lies before the catch-up window: the days since are
+    rolled up by no run with --date (read only then: the window's partitions held none of its rows)."""
+    path = os.path.join(out_dir, "transactions")
+    jvm = spark.sparkContext._jvm
+    where = jvm.org.apache.hadoop.fs.Path(path)
+    fs = where.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    if not fs.exists(where):
+        return
+    edge = (day - dt.timedelta(days=CATCH_UP_DAYS)).isoformat()
+    names = [st.getPath().getName() for st in fs.listStatus(where) if st.isDirectory()]
+    older = [n[len("date="):] for n in names if n.startswith("date=") and n[len("date="):] < edge]
+    last = _newest_day(spark, out_dir, older, broker) if older else None
+    if last is None:
+        return
+    first, end = dt.date.fromisoformat(last) + dt.timedelta(days=1), day - dt.timedelta(days=1)
+    n = (end - first).days + 1
+    log.warning("rollup: the newest day of %s rolled up under %s is %s, more than %d days before %s: the %d %s "
+                "%s to %s are not rolled up by this run (nightly runs missed for longer than it looks back); roll "
+                "them up with a run without --date (every day the store holds), or with --date for each, oldest "
+                "first", broker, out_dir, last, CATCH_UP_DAYS, day, n, "day" if n == 1 else "days", first, end)
+
+
 def previous_stores(spark, out_dir: str, date: str, broker: str) -> set[str]:
     """The ids of the stores the day before ``date``'s transactions rows of ``broker`` were rolled up from
     (rows written before the store_id column, or from a store without an id: none)."""
@@ -364,7 +415,7 @@ def run_rollup(spark, store_dir, out_dir: str, *, date: str | None = None, skip_
         owned = {name: {p.broker: p.owned(name, dates) for p in parts} for name in TABLES}
         for p in parts:
             for name in TABLES:
-                for d in sorted(set(dates) - owned[name][p.broker]):
+                for d in sorted(set(p.wanted() or dates) - owned[name][p.broker]):
                     summary["left_as_is"].append({"broker": p.broker, "date": d, "table": name,
                                                   "why": p.not_whole(name, d)})
         for d in dates:
@@ -494,7 +545,7 @@ def _damaged_ops(broker: str, records, per_half) -> dict:
 
 def _summary(parts, date: str | None) -> dict:
     """The run's summary: counts summed over the stores, every date any store has."""
-    dates = [date] if date else sorted({d for p in parts for d in p.dates()})
+    dates = sorted({d for p in parts for d in (p.wanted() if date else p.dates())})
     total = lambda key: sum(p.summary[key] for p in parts)  # noqa: E731
     return {"dates": dates, "records": total("records"), "segments": total("segments"),
             "segments_read": total("segments_read"), "bytes_read": total("bytes_read"),
@@ -518,12 +569,21 @@ class _StoreRollup:
         self.scan = self.snaps = self.per_half = None
         date = day.isoformat() if day is not None else None
         self.since = baseline = select = None
+        self.missed: list[str] = []
         if day is not None:
             self.since = int(dt.datetime(day.year, day.month, day.day, tzinfo=dt.timezone.utc).timestamp() * 1000)
             baseline = previous_undecided(spark, out_dir, date, broker)
             if baseline is None:
-                log.info("rollup: %s is not rolled up under %s for %s: reading the whole store for %s",
-                         day - dt.timedelta(1), out_dir, broker, date)
+                # Rolled up alone, the days between stayed out of the tables and reports for good, nothing said.
+                self.missed = missed_days(spark, out_dir, day, broker)
+                if self.missed:
+                    log.warning("rollup: %s of %s %s not rolled up under %s (nightly runs missed): rolling %s up "
+                                "with %s, from the whole store", ", ".join(self.missed), broker,
+                                "is" if len(self.missed) == 1 else "are", out_dir,
+                                "it" if len(self.missed) == 1 else "them", date)
+                else:
+                    log.info("rollup: %s is not rolled up under %s for %s: reading the whole store for %s",
+                             day - dt.timedelta(1), out_dir, broker, date)
                 self.since = None
             elif self._began_since(store_dir):
                 log.warning("rollup: %s's store begins on %s or later (its log starts at offset 0 with no "
@@ -552,7 +612,7 @@ class _StoreRollup:
                 records = records.unionByName(classify(extra))
         self.per_half = half_summary(records).cache()
         damaged_ops = _damaged_ops(broker, records, self.per_half)
-        self.snaps = load_snapshots(spark, store_dir, [date] if date else None, job="rollup")
+        self.snaps = load_snapshots(spark, store_dir, self.wanted(), job="rollup")
         self.whole_from = self.cut = None
         first = scan.segments[0] if scan.segments else None
         ts = seg_mod.first_store_ts(first) if first is not None else None      # read on the driver
@@ -621,6 +681,10 @@ class _StoreRollup:
         first = seg_mod.first_store_ts(segments[0])
         return first is None or first >= self.since
 
+    def wanted(self) -> list[str] | None:
+        """The dates this store is rolled up for: the run's date and the days missed before it (None: every date)."""
+        return None if self.day is None else [*self.missed, self.day.isoformat()]
+
     def dates(self) -> list[str]:
         """Every date from the store's first record or snapshot to its last: a day with neither in
         between (a quiet weekend) is rolled up too, with no traffic and its undecided count."""
@@ -636,6 +700,8 @@ class _StoreRollup:
         tables the days from its oldest snapshot file on; never a day before the store began. Other days
         keep what --out holds."""
         dates = [d for d in dates if self.begins is None or d >= self.begins]
+        if self.day is not None:            # (another store's missed days: its rows stay as they are)
+            dates = [d for d in dates if d in self.wanted()]
         if name in LOG_TABLES:
             return {d for d in dates if self.whole_from is None or d >= self.whole_from}
         if not self.snapshot_days:       # snapshots off (or never kept): nothing to lose, nothing to keep

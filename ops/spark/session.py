@@ -8,11 +8,14 @@ the master and anything in spark-defaults.conf win unless --master is given.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 
 log = logging.getLogger("ops.spark")
@@ -50,6 +53,50 @@ def build_session(master: str | None = None, *, app_name: str = "txmq-ops", shuf
     spark.sparkContext.setLogLevel("ERROR")
     ship_code(spark)
     return spark
+
+
+PROGRESS_S = 60.0       # with --no-progress (the nightly units), how often a running job says how far it got
+
+
+def progress_line(tracker) -> str | None:
+    """One line for the Spark stages running now (None: none), from a pyspark StatusTracker."""
+    stages = [s for s in map(tracker.getStageInfo, tracker.getActiveStageIds()) if s is not None]
+    if not stages:
+        return None
+    stages.sort(key=lambda s: s.stageId)
+    done, total = sum(s.numCompletedTasks for s in stages), sum(s.numTasks for s in stages)
+    failed = sum(s.numFailedTasks for s in stages)
+    return (f"{done} of {total} tasks done, {sum(s.numActiveTasks for s in stages)} running"
+            + (f", {failed} failed (retried)" if failed else "")
+            + f" in {len(stages)} stage(s) ({stages[0].name}{', ...' if len(stages) > 1 else ''})")
+
+
+@contextlib.contextmanager
+def progress_log(spark, job: str, every: float = PROGRESS_S):
+    """Say at INFO every ``every`` seconds how far the running Spark stages got. Without the console progress bar
+    (--no-progress, as the nightly units run) a job said nothing between its steps' lines: a scan of a large store,
+    hours, wrote no line at all until it was over, alike to a job that hangs."""
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def run() -> None:
+        tracker = None
+        while not stop.wait(every):
+            try:        # (the tracker too: a context stopped before the first turn raised in the thread)
+                tracker = tracker or spark.sparkContext.statusTracker()
+                line = progress_line(tracker)
+            except Exception:  # noqa: BLE001 - the JVM stopping under the job: nothing left to say
+                return
+            if line is not None:
+                log.info("%s: %s; %.0f s since the start", job, line, time.monotonic() - started)
+
+    thread = threading.Thread(target=run, name="txmq-spark-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(every + 5)
 
 
 def _master_configured() -> bool:

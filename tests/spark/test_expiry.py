@@ -194,3 +194,48 @@ def test_the_report_names_a_user_topic_spelled_like_the_transaction_topics(spark
     assert going
     assert {t["topic"] for t in plan["report"]["messages_by_topic"]} == {"RMQ_SYS_Orders"}
     assert plan["report"]["unconsumed"] == [{"topic": "RMQ_SYS_Orders", "group": "cg-sys", "messages": len(going)}]
+
+
+@pytest.mark.parametrize("ahead", [720 * H, 5_000])
+def test_a_segment_stamped_ahead_of_the_plan_is_said_at_warning_with_what_it_holds_back(spark, tmp_path, ahead):
+    """A record stamped a month ahead (the broker's clock was, for a while) kept its segment and every newer one out
+    of each night's plan, said in the INFO line a young segment gets: no segment was ever planned again, unheard.
+    Seconds ahead (a segment sealed while the plan was begun, the hosts' clocks a little apart) is only young: a
+    WARNING that every plan stops there was false, the segment planned once it is past the retention."""
+    import logging
+
+    from ops.spark.expiry import build_plan
+
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=SEG) as b:
+        for i in range(40):
+            b.at(NOW - 100 * H + i).send("Orders")
+        b.at(NOW + ahead).send("Orders")                       # the clock a month ahead, then put back
+        for i in range(80):
+            b.at(NOW - 90 * H + i).send("Orders")
+        for i in range(40):
+            b.at(NOW - H + i).send("Orders")
+        written = list(b.written)
+    seg = next(w for w in written if w.store_ts == NOW + ahead).offset // SEG
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append((record.levelno, record.getMessage()))
+
+    log = logging.getLogger("ops.spark")
+    handler, level = Said(level=logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        plan = build_plan(spark, d, retention_ms=72 * H, now_ms=NOW)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert [int(s["name"]) // SEG for s in plan["segments"]] == list(range(seg))
+    kept = [(lv, m) for lv, m in said if m.startswith("expiry: keeping segment ")]     # one line a run
+    assert len(kept) == 1 and kept[0][1].startswith(f"expiry: keeping segment {seg * SEG:020d}"), said
+    if ahead > 3_600_000:
+        assert kept[0][0] == logging.WARNING and f"{ahead} ms ahead of the time planned for" in kept[0][1], said
+    else:
+        assert kept[0][0] == logging.INFO and "not older than the retention" in kept[0][1], said

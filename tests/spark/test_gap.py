@@ -140,3 +140,43 @@ def test_after_fridays_segment_is_removed_monday_is_whole_unless_the_manifest_ca
     summary = run_rollup(spark, store, out)
     left = {(x["date"], x["table"]) for x in summary["left_as_is"]}
     assert left == {(DATES[4], "traffic"), (DATES[4], "transactions")}, left
+
+
+def test_a_nightly_run_after_missed_nights_rolls_up_the_days_missed_too(spark, tmp_path):
+    """The host was down Friday and Saturday nights (the timer runs once at boot, for yesterday): Sunday's run
+    found no Saturday row and rolled up Sunday alone, Friday and Saturday out of the tables and reports for good,
+    nothing said but an INFO line. The days since the last one rolled up are rolled up with it."""
+    from ops.spark.rollup import run_rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    run_rollup(spark, store, out, date=DATES[0])
+    summary = run_rollup(spark, store, out, date=DATES[3])
+    assert summary["dates"] == list(DATES[1:4]) and not summary["left_as_is"]
+    assert sorted(os.listdir(os.path.join(out, "transactions"))) == [f"date={d}" for d in DATES[:4]]
+    assert totals(spark, out, DATES[1])[0] > 72                 # Friday's hourly 72 and its segment's fill
+    for d in DATES[1:4]:
+        assert totals(spark, out, d)[1] == {"*": 1, "pg-a": 1}, d
+        assert os.path.exists(os.path.join(out, "report", f"txmq-{d}.csv")), d
+    again = run_rollup(spark, store, out, date=DATES[4])       # and the next night is incremental again
+    assert again["dates"] == [DATES[4]] and again["incremental"]
+
+
+def test_a_gap_longer_than_the_catch_up_window_is_said_at_warning(spark, tmp_path, monkeypatch, caplog):
+    """Missed nights beyond CATCH_UP_DAYS (a host down for weeks) were found by no look-back: the run rolled up D
+    alone, said only in the INFO line a first run gets, the days between left out of the tables for good. Said at
+    WARNING with the newest day rolled up and how to roll up the rest (the window made 2 days here)."""
+    import logging
+
+    from ops.spark import rollup
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    build(store)
+    rollup.run_rollup(spark, store, out, date=DATES[0])
+    monkeypatch.setattr(rollup, "CATCH_UP_DAYS", 2)
+    with caplog.at_level(logging.WARNING, logger="ops.spark"):
+        summary = rollup.run_rollup(spark, store, out, date=DATES[4])
+    assert summary["dates"] == [DATES[4]]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and DATES[0] in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert f"{DATES[1]} to {DATES[3]}" in said[0] and "3 days" in said[0] and "without --date" in said[0], said

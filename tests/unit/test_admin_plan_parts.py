@@ -37,3 +37,31 @@ def test_a_part_is_bounded_in_bytes_whatever_its_halves_carry():
     assert [h for p in parts for h in p["halves"]] == plan["halves"] and parts[-1]["segments"] == plan["segments"]
     small = _plan(2500)         # halves of a few bytes: a thousand a part, as before
     assert [len(p["halves"]) for p in plan_parts(small)] == [1000, 1000, 500, 0]
+
+
+def test_apply_expiry_fails_when_a_listed_half_is_still_undecided(tmp_path, monkeypatch, capsys):
+    """The store refused a half's dead letter (a full disk): listed under "skipped", the admin exited 0 and a
+    nightly unit reported success with the half not expired. Halves only decided meanwhile are no failure."""
+    import asyncio
+
+    from broker import admin
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(2)))
+    replies = {
+        "meanwhile": {"expired": [0], "skipped": [{"commit_log_offset": 1, "why": "already decided or unknown"}]},
+        "refused": {"expired": [0], "skipped": [{"commit_log_offset": 1, "undecided": True,
+                                                 "why": "store refused the decision: SERVICE_NOT_AVAILABLE"}]},
+    }
+    codes = {}
+    for name, reply in replies.items():
+        async def fake(addr, plan, timeout, credentials, halves_a_request, reply=reply):
+            await asyncio.sleep(0)
+            return {**reply, "segments_removed": [], "segments_kept": [], "segments_gone": []}, None
+        monkeypatch.setattr(admin, "_apply_plan", fake)
+        codes[name] = admin.main(["apply-expiry", str(path)])
+        codes[name, "err"] = capsys.readouterr().err
+    assert codes["meanwhile"] == 0 and codes["refused"] == 1, codes
+    assert "1 listed half not expired, still undecided" in codes["refused", "err"], codes
+    assert "store refused the decision: SERVICE_NOT_AVAILABLE" in codes["refused", "err"]
+    assert "apply the plan again" in codes["refused", "err"]

@@ -1278,3 +1278,28 @@ async def test_a_dead_letter_call_cancelled_mid_batch_leaves_each_half_written_o
         assert not any(f"half {h.half_offset})" in text for h in halves[DEAD_LETTER_BATCH:])
     finally:
         await ctx.store.close()
+
+
+@bounded(30)
+async def test_a_listed_half_the_store_refused_to_dead_letter_is_said_still_undecided(world):
+    """A plan's half whose dead letter the store refused (a full disk, an I/O error) was listed under "skipped" with
+    the store's remark, alike to one decided meanwhile: `admin apply-expiry` exited 0 and the nightly unit reported
+    success while the half stayed undecided. Its entry says it is still undecided; one decided meanwhile does not."""
+    from tests.unit.test_review_transactions import GatedStore
+    ctx, clock, half, old, fresh = world
+    other = await add_half(ctx, b"decided-meanwhile")
+    await ctx.tx.decide(other.half_offset, "ROLLBACK")
+    plan = dict(await spark_like_plan(ctx, clock.now), segments=[],
+                halves=[{"commit_log_offset": half.half_offset}, {"commit_log_offset": other.half_offset}])
+    real = ctx.store
+    store = ctx.store = GatedStore(real)
+    store.gate, store.fail = asyncio.Event(), True          # every write refused
+    store.gate.set()
+    try:
+        summary = await Retention(ctx).apply_plan(plan)
+    finally:
+        ctx.store = real
+    skipped = {s["commit_log_offset"]: s for s in summary["skipped"]}
+    assert summary["expired"] == [] and set(skipped) == {half.half_offset, other.half_offset}
+    assert skipped[half.half_offset].get("undecided") is True and half.half_offset in ctx.tx.pending
+    assert "undecided" not in skipped[other.half_offset]
