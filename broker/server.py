@@ -258,6 +258,7 @@ class BrokerServer:
                         "raised, within the open-files limit and vm.max_map_count)", topics.queue_total, c.max_queues)
         if not slave:       # a slave's topics follow its master's (topic_follower)
             store.on_new_queue = topics.queue_appeared
+        self.starting = "reading the consumer offsets"      # (and their first offsets' journal; then fitted)
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000,
                                       per_host=not slave)   # a slave's are its master's copies: no caps
         ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed

@@ -1,6 +1,7 @@
 """Consumer offsets and queue bounds: codes 14, 15, 29, 30, 31, 32, 43 (spec 3.8, 3.9, 3.13, 9.2)."""
 from __future__ import annotations
 
+import errno
 import logging
 
 from protocol.admin_bodies import consumer_offset_entries, consumer_offsets_body, key_consumer_offsets
@@ -116,6 +117,15 @@ def update_consumer_offset(ctx, conn, cmd):
     return cmd.response(ResponseCode.SUCCESS)
 
 
+def _why(ctx, exc: OSError) -> str:
+    """What a save's failure says: a full disk (ENOSPC: its blocks, or its inodes, which the first offsets' journal
+    takes one of when made, and every save's .tmp) measured at once and said as every refused write says it (bare
+    "[Errno 28]", the guard accepting on until its next probe, the inodes named nowhere), else the error."""
+    if exc.errno == errno.ENOSPC and ctx.store.disk.probe():
+        return ctx.store.disk.remark(f"{exc.filename or 'consumer offsets'}: no space")
+    return str(exc)
+
+
 def _moved_by_another(ctx, conn, group: str, topic: str, qid: int, offset: int | None) -> int | None:
     """The offset a commit moves from (-1: none was stored) when the committer is no consumer of the group (an
     admin tool: no heartbeat for it and no pull for it on that connection), else None: a consumer's own commits,
@@ -143,7 +153,7 @@ async def offsets_saved(ctx, cmd, done: str, reply, *, paced: bool = False, max_
     except OSError as exc:
         if reply.code == ResponseCode.SUCCESS:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"{done} but the consumer offsets are not saved (they "
-                                f"are lost if the broker stops before the next periodic save): {exc}")
+                                f"are lost if the broker stops before the next periodic save): {_why(ctx, exc)}")
         return reply
     if rested > 0:
         ctx.metrics.offset_moves_deferred.inc()

@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from producer import Producer
-from protocol.codes import ResponseCode
+from protocol.codes import RequestCode, ResponseCode
+from protocol.command import RemotingCommand
+from protocol.connection import open_connection
 from protocol.errors import ResponseError
 from tests.integration.test_disk_watermark import _metrics
 from tests.support.broker_process import BrokerProcess
@@ -93,5 +95,39 @@ async def test_a_send_whose_new_queue_file_finds_no_inode_is_refused_as_a_full_d
                 assert all(code == ResponseCode.SERVICE_NOT_AVAILABLE and "the broker's disk is full [" in remark
                            and "inodes 100.0% used (df -i)" in remark for code, remark in answers), answers
                 assert len(answers) == 3
+        finally:
+            b.stop()
+
+
+async def test_a_first_offset_with_no_inode_for_its_journal_is_answered_as_a_full_disk(tmp_path):
+    """A consumer's first offset of a queue is a line of config/consumerOffset.json.firsts, made at the first such
+    commit: out of inodes, that file could not be made and the commit was answered SYSTEM_ERROR "... not saved ...:
+    [Errno 28] No space left on device", the disk not measured (the guard still accepting until its next probe) and
+    nothing in the answer naming the inodes, as a send to a new queue's file was before it was answered as a full
+    disk. Measured at once now, the answer says the full disk, its inodes, as every refused write does."""
+    with tmpfs(tmp_path / "disk", "64m", inodes=400) as disk:
+        b = BrokerProcess(disk / "store", *FLAGS).start()
+        try:
+            async with Producer(b.namesrv, "PG_inodes", retries=0) as producer:
+                sent = await producer.send("Inodes", b"first")
+            host, _, port = b.broker.rpartition(":")
+            conn = await open_connection(host, int(port))
+            try:
+                pulled = await conn.request(RemotingCommand.request(RequestCode.PULL_MESSAGE, {
+                    "consumerGroup": "CG_inodes", "topic": "Inodes", "queueId": sent.queue.queue_id,
+                    "queueOffset": 0, "maxMsgNums": 1, "sysFlag": 4, "commitOffset": 0, "suspendTimeoutMillis": 0,
+                    "subscription": "*", "subVersion": 0}), 5)
+                assert pulled.code == ResponseCode.SUCCESS, (pulled.code, pulled.remark)
+                _use_up_inodes(disk / "ballast")
+                committed = await conn.request(RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": "CG_inodes", "topic": "Inodes", "queueId": sent.queue.queue_id,
+                    "commitOffset": 1}), 5)
+            finally:
+                conn.close()
+            assert committed.code == ResponseCode.SYSTEM_ERROR, (committed.code, committed.remark)
+            assert "first offset 1 of group CG_inodes" in committed.remark, committed.remark
+            assert "the broker's disk is full [" in committed.remark, committed.remark
+            assert "inodes 100.0% used (df -i)" in committed.remark, committed.remark
+            assert (await _refusing(b, 1))["txmq_store_disk_inode_usage_ratio"] >= 0.9
         finally:
             b.stop()

@@ -214,6 +214,40 @@ async def test_a_sigterm_while_the_store_recovers_says_so_and_the_next_start_los
     assert [f"m{i}".encode() for i in range(30)] == [x for x in bodies if x != b"seed"]
 
 
+async def test_a_sigterm_while_the_consumer_offsets_are_read_says_so(broker_factory, tmp_path):
+    """A start reads the consumer offsets and the first offsets' journal (config/consumerOffset.json.firsts) after
+    the message index, and lowers those past their queue's end: seconds at 500,000 offsets. A SIGTERM there said
+    "(opening the message index, ...)", the step before, where nothing was being done. Held here by a FIFO at the
+    journal's path (its read waits for a writer)."""
+    b = broker_factory()
+    await _send(b, 3)
+    b.kill()
+    fifo = b.store_dir / "config" / "consumerOffset.json.firsts"
+    with contextlib.suppress(FileNotFoundError):
+        fifo.unlink()
+    os.mkfifo(fifo)
+    held = BrokerProcess(b.store_dir)
+    held.launch()
+    writer = None
+    try:
+        async with asyncio.timeout(30):
+            while writer is None:       # the broker opened the FIFO to read it: reading now, until it is closed
+                assert held.proc.poll() is None, held.log()
+                try:
+                    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:         # ENXIO: no reader yet
+                    await asyncio.sleep(0.05)
+        held.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(held.proc.wait, 20)
+    finally:
+        if writer is not None:
+            os.close(writer)
+        held.kill()
+    assert code == -signal.SIGTERM, held.log()
+    said = [line for line in held.log().splitlines() if "SIGTERM during start-up" in line]
+    assert len(said) == 1 and "(reading the consumer offsets," in said[0], said
+
+
 def _child_of(pid: int) -> int:
     """The one process whose parent is ``pid`` (no /proc/PID/task/TID/children on every kernel)."""
     for entry in os.listdir("/proc"):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from broker.metrics import BrokerMetrics
 from broker.store import ConsumerOffsets
+from broker.store.disk import DiskMonitor
 from protocol.errors import StoreError
 from tests.support.bounded import bounded
 
@@ -550,8 +551,11 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
     ctx = SimpleNamespace(offsets=offsets, topics=SimpleNamespace(get=lambda t: SimpleNamespace(queue_count=1)),
                           limits=SimpleNamespace(may_commit=lambda *a: None),
                           clients=SimpleNamespace(consumers={"CG": ConsumerGroup("CG", channels={member: object()})}),
-                          config=SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=BrokerMetrics())
+                          config=SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=BrokerMetrics(),
+                          store=SimpleNamespace(disk=DiskMonitor(str(tmp_path), statvfs=lambda _p: disk)))
     file = tmp_path / "config" / "consumerOffset.json"
+    disk = SimpleNamespace(f_blocks=1000, f_bfree=900, f_bavail=900, f_frsize=4096, f_files=400, f_ffree=300,
+                           f_favail=300)
 
     def commit(conn, offset, oneway=False):
         return update_consumer_offset(ctx, conn, RemotingCommand.request(RequestCode.UPDATE_CONSUMER_OFFSET, {
@@ -574,6 +578,14 @@ async def test_only_a_move_by_a_client_that_is_no_consumer_of_the_group_waits_fo
     assert reply.code == ResponseCode.SYSTEM_ERROR and "moved back from 5 to 0 but the consumer offsets are not saved" in (
         reply.remark or ""), reply.remark
     assert json.loads(file.read_text())["T@CG"] == {"0": 5}
+    assert "[Errno 28]" in reply.remark and "disk is full" not in reply.remark, reply.remark   # (not full: as is)
+    # Out of inodes (every save's .tmp takes one), its blocks 10% used: measured at once and said as a full disk
+    disk.f_ffree = disk.f_favail = 0
+    reply = await commit(tool, 1)
+    assert reply.code == ResponseCode.SYSTEM_ERROR and "moved forward from 0 to 1 but the consumer offsets are not " \
+        "saved" in reply.remark and "the broker's disk is full [" in reply.remark and "inodes 100.0% used (df -i)" \
+        in reply.remark, reply.remark
+    assert ctx.store.disk.refusing
     del offsets._write
     await offsets.close()
 
