@@ -60,8 +60,8 @@ async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
 
 PLAN_SLICE = 1000       # listed halves a request: ~1 ms each to dead-letter, a flush each (more on a slow disk)
 PART_BYTES = 4 * 1024 * 1024     # and at most this much JSON a request: well within the 16 MiB frame a broker reads
-HALF_S = 0.025          # a part's answer is waited for --timeout and this a listed half: the broker dead-letters them
-                        # one by one, each flushed before the next (25 ms: a slow disk's flush, 1,000 halves 25 s)
+HALF_S = 0.025          # a part's answer is waited for --timeout and this a listed half: generous now that the broker
+                        # dead-letters them 32 (or 4 MiB) to a flush; kept for a disk slower than any flush we saw
 PROGRESS_S = 10.0       # a plan applied in many requests says how far it got at most this often
 
 

@@ -821,7 +821,7 @@ class _DiskCollector:
                                 "1 while writes are refused because the disk (its space or its inodes) is over "
                                 "disk_refuse_ratio, else 0.",
                                 value=1 if d.refusing else 0)
-        yield CounterMetricFamily("txmq_store_write_refusals", "Write requests refused for disk space.",
+        yield CounterMetricFamily("txmq_store_write_refusals", "Write requests refused for disk space or inodes.",
                                   value=d.refusals)
 
     def describe(self):

@@ -704,7 +704,7 @@ def _encode(table: dict, maker: dict, forgotten=(), firsts: int = 0) -> bytes:
     out: dict[str, dict[str, int]] = {}
     for (group, topic, qid), offset in table.items():
         out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
-    if not maker and not forgotten and not firsts:  # nothing to say (a slave's file stays RocketMQ's plain table)
+    if not maker and not forgotten and not firsts:  # nothing to say (RocketMQ's plain table)
         return json.dumps(out, indent=1, sort_keys=True).encode()
     makers: dict[str, dict[str, list[int]]] = {}
     for (group, topic, qid), client in maker.items():      # (keys sorted by dumps; queue ids as made)

@@ -111,7 +111,7 @@ ROWS = [
         ("Writes refused", "stat", "short",
          "1 while sends are refused because the disk is over disk_refuse_ratio (red), else 0.",
          [q(f"max(txmq_store_writes_refused{{{SEL}}})", "refusing")]),
-        ("Write refusals", "timeseries", "reqps", "Write requests refused for disk space per second.",
+        ("Write refusals", "timeseries", "reqps", "Write requests refused for disk space or inodes per second.",
          [q(f"sum(rate(txmq_store_write_refusals_total{{{SEL}}}[{RATE}]))", "refused")]),
         ("Commit log size", "timeseries", "bytes", "Commit-log bytes on disk (segments are preallocated).",
          [q(f"sum by (instance) (rocketmq_storage_size{{{SEL}}})", "{{instance}}")]),
