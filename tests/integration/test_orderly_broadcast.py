@@ -197,10 +197,11 @@ async def test_an_unknown_message_model_is_refused_at_once():
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")
 
 
-@pytest.mark.parametrize("where", ["timestamp", "CONSUME_FROM_FIRST_OFFSET", "LAST"])
+@pytest.mark.parametrize("where", ["CONSUME_FROM_TIMESTAMP", "CONSUME_FROM_FIRST_OFFSET", "LAST"])
 async def test_an_unknown_consume_from_is_refused_at_once(where):
     """Anything but "first" was "last": a queue with no offset started at its end (its start stored as such),
-    while the heartbeat told the brokers CONSUME_FROM_FIRST_OFFSET; a timestamp start, asked for, never came."""
+    while the heartbeat told the brokers CONSUME_FROM_FIRST_OFFSET. Only "first", "last" and "timestamp" are
+    taken now, not Java's enum names."""
     with pytest.raises(ValueError, match="first"):
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, consume_from=where)
 
