@@ -429,7 +429,8 @@ def test_a_hung_flush_is_said_once_and_its_end_once(tmp_path, caplog):
     from broker.server import FLUSH_HUNG_S, BrokerServer
     server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
     age = [FLUSH_HUNG_S + 1]
-    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(flush_age_s=lambda: age[0]))
+    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(flush_age_s=lambda: age[0],
+                                                                   slowest_flush_s=lambda: 0.0))
     assert server._flush_age() == FLUSH_HUNG_S + 1
     server._flush_age()
     assert caplog.text.count("has not returned in") == 1
@@ -437,6 +438,33 @@ def test_a_hung_flush_is_said_once_and_its_end_once(tmp_path, caplog):
     server._flush_age()
     server._flush_age()
     assert caplog.text.count("commit-log flushes return again") == 1
+
+
+def test_a_disk_whose_flushes_each_take_12_s_is_said_slow_once_not_hung_at_every_flush(tmp_path, caplog):
+    """Flushes that each took 12 s, and returned, were each said at ERROR as a hung disk (past FLUSH_HUNG_S) and
+    back at WARNING, with nothing saying how long they took: measured with a broker on such a disk, an ERROR pair
+    every 12 s. The first is said (nothing yet says the disk is only slow), and its end with how long it ran; the
+    next ones as slow are not, a wait longer than twice the slowest is."""
+    import types
+
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    age, slowest = [0.0], [0.0]
+    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(flush_age_s=lambda: age[0],
+                                                                   slowest_flush_s=lambda: slowest[0]))
+    for _flush in range(5):         # each sampled every second by the gauge loop: 1 s .. 12 s, then returned
+        for second in range(1, 13):
+            age[0] = float(second)
+            server._flush_age()
+        age[0], slowest[0] = 0.0, 12.0
+        server._flush_age()
+    assert caplog.text.count("has not returned in") == 1, caplog.text
+    assert caplog.text.count("commit-log flushes return again, after 12 s or more: the disk is slow") == 1
+    for second in range(1, 26):     # a flush past twice the slowest: said, hung or not
+        age[0] = float(second)
+        server._flush_age()
+    assert caplog.text.count("has not returned in 25 s") == 1, caplog.text
 
 
 @pytest.mark.parametrize("slowest, said", [
