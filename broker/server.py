@@ -636,9 +636,15 @@ class BrokerServer:
         (``again``, with how long it ran) when it is 0 again; ``flag`` the attribute that remembers which was said
         last. Past FLUSH_HUNG_S alone, a disk whose flushes each took 12 s was said hung at ERROR, and back, every
         12 s (300 ERRORs an hour), and nothing said the waits ended or how long they took: a slow disk, not a hung
-        one. Twice the slowest flush of the last 5 minutes, as a stop judges it, says the first and any longer."""
+        one. Twice the slowest flush of the last 5 minutes, as a stop judges it, says the first and any longer.
+        A sample younger than the one before is a new wait (the last ended): under steady sync sends the next flush
+        starts as the last returns, no sample is 0, and a flush that hung after a slow one was never said."""
         if getattr(self, flag):
-            self._wait_peaks[flag] = max(self._wait_peaks.get(flag, 0.0), age)
+            peak = self._wait_peaks.get(flag, 0.0)
+            if 0.0 < age < peak:        # the wait said ended, the next already in flight: said as ended
+                self._said_hung(flag, 0.0, hung, again)
+            else:
+                self._wait_peaks[flag] = max(peak, age)
         if age > self._hung_after() and not getattr(self, flag):
             setattr(self, flag, True)
             self._wait_peaks[flag] = age

@@ -729,8 +729,10 @@ class MessageStore:
     def checkpoint_lag(self) -> int:
         """Bytes of flushed log past the checkpoint on disk: what a start after a crash scans (and verifies)
         again. Grows while checkpoints fail (logged at ERROR once per outage) or wait for queue units a full disk
-        holds in memory; a checkpoint written brings it back to about one checkpoint interval's writes."""
-        return max(0, self._log.flushed - self._checkpointed)
+        holds in memory; a checkpoint written brings it back to about one checkpoint interval's writes. Not below
+        the log's start: a slave's log rebased where its master's starts, or one retention trimmed past a checkpoint
+        that kept failing, was counted from where no segment is any more (a false TxmqCheckpointBehind)."""
+        return max(0, self._log.flushed - max(self._checkpointed, self._log.min_offset))
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":

@@ -85,3 +85,24 @@ async def test_a_start_reports_the_log_past_the_checkpoint_it_found(tmp_path, mo
         assert store.checkpoint_lag == 0
     finally:
         await store.close()
+
+
+@bounded(30)
+async def test_a_log_rebased_past_the_checkpoint_is_not_counted_below_its_start(tmp_path, monkeypatch):
+    """A new slave's empty log rebased where its master's starts (rebase_empty), the checkpoint failing: the log
+    below the new start does not exist, so no start scans it. Counted from offset 0, the gauge said the master's
+    whole trimmed history (GiBs: TxmqCheckpointBehind after 10 minutes) for 30 records written. So does a log
+    retention trimmed past a checkpoint that kept failing."""
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    try:
+        start = 8 * CFG.segment_size
+        monkeypatch.setattr(store_mod, "_checkpoint_job", _failing_job)
+        await store.rebase_empty(start)
+        await _put(store, 30)
+        with pytest.raises(OSError):
+            await store._checkpoint()
+        assert store._log.min_offset == start
+        assert 30 * 200 <= store.checkpoint_lag == store._log.flushed - start == _gauge(store) < start
+    finally:
+        await store.close()

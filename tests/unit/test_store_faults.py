@@ -579,3 +579,33 @@ async def test_a_slow_disk_stop_leaves_the_offsets_last_save_its_bound_under_60_
     await server._stop_behind_the_log("store", never.wait)
     assert time.monotonic() - began < 2.5
     assert "the store's disk is slow, not hung" in caplog.text, caplog.text
+
+
+def test_a_flush_that_hangs_right_after_a_slow_one_is_said_though_no_sample_saw_none_in_flight(tmp_path, caplog):
+    """Under steady SYNC_FLUSH sends the writer starts the next flush the moment the last returns, so the gauge
+    loop never samples an age of 0: the first slow flush (12 s) was said at ERROR, its flag never cleared, and a
+    flush that then hung for good was never said at all (nor the slow one's end). A sample younger than the last
+    is a new wait: the last one ended."""
+    import types
+
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    age, slowest = [0.0], [0.0]
+    server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(flush_age_s=lambda: age[0],
+                                                                   slowest_flush_s=lambda: slowest[0]))
+    for second in range(1, 13):     # the first flush: 12 s, said hung past 10 s (nothing slower seen)
+        age[0] = float(second)
+        server._flush_age()
+    slowest[0] = 12.0               # it returned; the next began at once, sampled 0.5 s old
+    for _flush in range(3):         # three more of 12 s each, back to back: slow, not said
+        for second in range(12):
+            age[0] = second + 0.5
+            server._flush_age()
+    assert caplog.text.count("has not returned in") == 1, caplog.text
+    assert caplog.text.count("commit-log flushes return again, after 12 s or more") == 1, caplog.text
+    for second in range(60):        # then one that never returns: said past twice the slowest
+        age[0] = second + 0.5
+        server._flush_age()
+    assert caplog.text.count("has not returned in 24 s") == 1, caplog.text
+    assert caplog.text.count("has not returned in") == 2, caplog.text
