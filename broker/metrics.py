@@ -772,6 +772,11 @@ class _CorruptCollector:
                                 "damaged records kept in place (a full disk; said once at ERROR, retried every half "
                                 "second; checkpoints wait for it): a restart without keep_corrupt_records meanwhile "
                                 "refuses them again.", value=int(self.store.kept_unwritten))
+        yield GaugeMetricFamily("txmq_store_checkpoint_lag_bytes", "Bytes of flushed commit log past the "
+                                "checkpoint on disk: what a start after a crash scans and verifies again. It grows "
+                                "while the checkpoint cannot be written (a full disk, no inodes, an I/O error; logged "
+                                "at ERROR once) or waits for queue units a full disk holds: free the disk, or the "
+                                "next start after a crash takes that much longer.", value=self.store.checkpoint_lag)
 
     def describe(self):
         return list(self.collect())

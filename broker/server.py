@@ -63,6 +63,10 @@ from .transaction import TransactionService
 
 log = logging.getLogger("txmq.server")
 FLUSH_HUNG_S = 10.0     # a commit-log flush in flight this long is said at ERROR (_flush_age)
+# ...and one this long is, however slow the disk's flushes were (_said_hung): TxmqStoreFlushHung, TxmqStoreIoStalled
+# and TxmqIndexStalled fire past it (ops/prometheus/alerts.yml); twice a 100 s flush that returned held the ERROR
+# back to 200 s, the critical alert long fired with nothing in the log.
+HUNG_SAID_BY_S = 30.0
 # The most a stop waits for a slow store disk (_stop_behind_the_log), counted from the stop's start (the grace, the
 # queue lock file before it): the consumer offsets' last save after it waits for a write until it is said hung and
 # HUNG_CLOSE_WAIT_S more (32 s), and all must end under systemd's and compose's 60 s, with 3 s to spare. (30 s from
@@ -111,6 +115,7 @@ class BrokerServer:
         self._flush_hung = False    # a commit-log flush has run past FLUSH_HUNG_S (_flush_age)
         self._io_hung = False       # the store's I/O thread has held a no-op past FLUSH_HUNG_S (_io_stalled)
         self._index_hung = False    # the index thread has held a no-op past FLUSH_HUNG_S (_index_stalled)
+        self._wait_peaks: dict[str, float] = {}     # the longest age each of those reached while said (_said_hung)
         self._stop_began: float | None = None   # when stop() began (_stop_behind_the_log's budget counts from it)
         self._loop = None
         self.registrar: BrokerRegistrar | None = None   # with --namesrv-addr: registers with the name servers
@@ -631,14 +636,29 @@ class BrokerServer:
                                "the message index's thread comes through again")
 
     def _said_hung(self, flag: str, age: float, hung: str, again: str) -> float:
-        """``age`` (s) of a store wait, said once at ERROR (``hung``) past FLUSH_HUNG_S and once at WARNING
-        (``again``) when it is 0 again; ``flag`` the attribute that remembers which was said last."""
-        if age > FLUSH_HUNG_S and not getattr(self, flag):
+        """``age`` (s) of a store wait, said once at ERROR (``hung``) past ``_hung_after`` and once at WARNING
+        (``again``, with how long it ran) when it is 0 again; ``flag`` the attribute that remembers which was said
+        last. Past FLUSH_HUNG_S alone, a disk whose flushes each took 12 s was said hung at ERROR, and back, every
+        12 s (300 ERRORs an hour), and nothing said the waits ended or how long they took: a slow disk, not a hung
+        one. Twice the slowest flush of the last 5 minutes, as a stop judges it, says the first and any longer, and
+        HUNG_SAID_BY_S any wait, as the alerts do.
+        A sample younger than the one before is a new wait (the last ended): under steady sync sends the next flush
+        starts as the last returns, no sample is 0, and a flush that hung after a slow one was never said."""
+        if getattr(self, flag):
+            peak = self._wait_peaks.get(flag, 0.0)
+            if 0.0 < age < peak:        # the wait said ended, the next already in flight: said as ended
+                self._said_hung(flag, 0.0, hung, again)
+            else:
+                self._wait_peaks[flag] = max(peak, age)
+        if age > min(self._hung_after(), HUNG_SAID_BY_S) and not getattr(self, flag):
             setattr(self, flag, True)
+            self._wait_peaks[flag] = age
             log.error(hung, age)
         elif age == 0.0 and getattr(self, flag):
             setattr(self, flag, False)
-            log.warning(again)
+            log.warning("%s, after %.0f s or more: the disk is slow, not hung (txmq_store_flush_latency_seconds; "
+                        "a wait is said again past twice the slowest flush of the last 5 minutes, 30 s at most)", again,
+                        self._wait_peaks.pop(flag))
         return age
 
     async def _gauge_loop(self) -> None:

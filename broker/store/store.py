@@ -105,6 +105,9 @@ class MessageStore:
         self._dirs_to_sync: list[str] = []                  # new queue files' directories a failed checkpoint left
         self._ranges_to_retry: list = []                    # queue ranges a failed checkpoint took and did not flush
         self._last_checkpoint: Checkpoint | None = None
+        # Where the checkpoint on disk vouches for the log up to: a start after a crash scans the log from there
+        # (checkpoint_lag_bytes). A checkpoint that cannot be written (a full disk, an I/O error) lets it fall behind.
+        self._checkpointed = 0
         self._rebuilding: str | None = None     # REBUILD_FILE while no checkpoint has followed the rebuild
         # The queue list (checkpoint.QUEUES_FILE): every queue, written before a checkpoint once the set changed;
         # a change bumps _queues_version (queues made or deleted), _listed_version is what the file on disk says.
@@ -278,6 +281,8 @@ class MessageStore:
                 # and every later one were refused, "acknowledged messages are missing".
                 write_checkpoint(self.store_dir, Checkpoint(self.report.end_offset, self._log.flushed_ts),
                                  REBUILD_FILE if rebuild else CHECKPOINT_FILE)
+            self._checkpointed = (min(checkpoint.flushed_offset, self.report.end_offset)
+                                  if checkpoint is not None and not rebuild else self._log.min_offset)
             self._settle_marks(self._log.min_offset, self.report.end_offset)
             self.store_id = load_or_create_store_id(self.store_dir)
             # Recovery verified every record from scanned_from on (CRC included); those before it never were.
@@ -718,6 +723,16 @@ class MessageStore:
             self._ranges_to_retry = _coalesce(ranges + self._ranges_to_retry)
             raise
         self._last_checkpoint, self._rebuilding, self._listed_version = point, None, version
+        self._checkpointed = point.flushed_offset
+
+    @property
+    def checkpoint_lag(self) -> int:
+        """Bytes of flushed log past the checkpoint on disk: what a start after a crash scans (and verifies)
+        again. Grows while checkpoints fail (logged at ERROR once per outage) or wait for queue units a full disk
+        holds in memory; a checkpoint written brings it back to about one checkpoint interval's writes. Not below
+        the log's start: a slave's log rebased where its master's starts, or one retention trimmed past a checkpoint
+        that kept failing, was counted from where no segment is any more (a false TxmqCheckpointBehind)."""
+        return max(0, self._log.flushed - max(self._checkpointed, self._log.min_offset))
 
     # ---------------------------------------------------------- writes
     def put(self, req: PutRequest, then=None) -> "asyncio.Future":
