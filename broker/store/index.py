@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import itertools
 import logging
 import os
 import queue
@@ -70,6 +71,13 @@ MAX_QUERY_CHECKS = 4096
 # pread each, 7-10 us on a loaded host); 16,384 is 0.16 s there.
 MAX_QUERY_READS = 4 * MAX_QUERY_CHECKS
 _CUT_LOG_EVERY_S = 60.0
+# A record stored more than BACK_STEP_MS before the begin of the file being written (the wall clock stepped back,
+# after a jump ahead started that file) starts a new file: in it, each entry's time is its TIME DIFF from the
+# file's begin, never negative, so every later entry was taken as stored at that begin, and a query by key with
+# a window around its real time found nothing. At most one such file per BACK_ROLL_EVERY_S (each takes a slot
+# table of 4 * index_hash_slots bytes): a clock that flaps back and forth has its entries clamped, said.
+BACK_STEP_MS = 60_000
+BACK_ROLL_EVERY_S = 600.0
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
@@ -158,6 +166,9 @@ class IndexService:
         self.queries_cut = 0            # queries that stopped at max_checks (txmq_index_queries_cut_total)
         self._job_began: float | None = None    # time.monotonic() the index thread began its job now running
         self._cut_logged = -_CUT_LOG_EVERY_S
+        self.back_roll_every_s = BACK_ROLL_EVERY_S
+        self._back_rolled: float | None = None  # time.monotonic() a record older than its file started one
+        self._back_said = -_CUT_LOG_EVERY_S
 
     # ------------------------------------------------------------ lifecycle
     def on_dispatch(self, info) -> None:
@@ -509,7 +520,8 @@ class IndexService:
     def _writable(self, ts: int) -> IndexFile:
         last = self.files[-1] if self.files else None
         if last is not None and not last.full and not (last.count > 1 and ts - last.begin_ts >= self.period_ms):
-            return last
+            if not (last.count > 1 and ts < last.begin_ts - BACK_STEP_MS and self._may_roll_back(last, ts)):
+                return last
         name = _file_name(self.clock())
         if last is not None and name <= last.name:
             name = f"{int(last.name) + 1:017d}"
@@ -524,6 +536,24 @@ class IndexService:
             log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
         self.files.append(f)
         return f
+
+    def _may_roll_back(self, last: IndexFile, ts: int) -> bool:
+        """A record stored before ``last`` begins: a new file for it, unless one was started so less than
+        back_roll_every_s ago (then its entry is clamped to the file's begin, said once a minute)."""
+        now = time.monotonic()
+        if self._back_rolled is None or now - self._back_rolled >= self.back_roll_every_s:
+            self._back_rolled = now
+            log.warning("index: a record stored %.1f s before index file %s begins (the wall clock stepped back): "
+                        "a new index file for it, so a query by key with a time window finds it at its store time",
+                        (last.begin_ts - ts) / 1000, last.name)
+            return True
+        if now - self._back_said >= _CUT_LOG_EVERY_S:
+            self._back_said = now
+            log.warning("index: a record stored %.1f s before index file %s begins: the wall clock stepped back again "
+                        "within %.0f s of the last new file for that, so its entry is taken as stored at the file's "
+                        "begin (a query by key with a time window that ends before it misses it; check NTP; said "
+                        "once a minute)", (last.begin_ts - ts) / 1000, last.name, self.back_roll_every_s)
+        return False
 
     def _catch_up(self, hi: int) -> None:
         """One slice of the start-up catch-up; the rest goes to the back of the queue, behind the queries
@@ -648,7 +678,11 @@ class IndexService:
         files = self.files
         checks, cut = self.max_checks, False
         budget = WalkBudget(self.max_reads)
-        for f in reversed(files):
+        # The newest END TIMESTAMP of files[:i + 1]: after the clock stepped back, an older file may begin (and end)
+        # after a newer one, and the walk reads on past a file that begins before the range while one may match.
+        ends = list(itertools.accumulate((f.end_ts for f in files), max))
+        for i in range(len(files) - 1, -1, -1):
+            f = files[i]
             if len(found) >= max_num or cut or budget.cut:  # before the first file too: a maxNum of 0 asks for
                 break                                       # nothing (RocketMQ)
             if f.count > 1 and f.time_matched(begin, end):
@@ -661,7 +695,7 @@ class IndexService:
                         found.append(phy)
                         if len(found) >= max_num:
                             break
-            if f.count > 1 and f.begin_ts < begin:
+            if f.count > 1 and f.begin_ts < begin and (i == 0 or ends[i - 1] < begin):
                 break
         cut = cut or budget.cut
         if cut:

@@ -764,3 +764,35 @@ async def test_a_committed_record_whose_type_bit_flipped_is_indexed_when_the_ind
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(30)
+async def test_a_clock_stepped_forward_and_back_leaves_later_messages_found_by_a_time_window(tmp_path, caplog):
+    """A clock jumped a day ahead (a send then started a file beginning a day ahead) and stepped back: every later
+    entry's time was clamped to that file's begin, and a query by key with a window of a minute around a message
+    stored an hour later found none of it (the all-time query found it). A record stored before the file being
+    written begins now starts a new file (once per BACK_ROLL_EVERY_S: a flapping clock makes no file per step),
+    and a query reads on past a file that begins before its window while an older file may still match."""
+    base, hour, minute = 1_700_000_000_000, 3_600_000, 60_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    svc = await _service(tmp_path, store, clock=lambda: now[0])
+    sent = {}
+    try:
+        for now[0], key in ((base, "a"), (base + 24 * hour + 5_000, "ahead"), (base + hour, "back"),
+                            (base + 2 * hour, "later"), (base + hour - 10_000, "flap")):
+            sent[key] = (now[0], (await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+            assert (await svc.query("T", key, 64, 0, 2**62))[0] == [sent[key][1]]
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
+        assert len(svc.files) == 3, svc.files       # "flap" (10 s before the file's begin) made no fourth file
+        assert "stepped back" in caplog.text
+        now[0] = base + hour // 2       # stepped back again at once: no file per step, the entry clamped (said)
+        phy = (await store.put(PutRequest.build("T", b"x", properties={"KEYS": "again"}))).physical_offset
+        assert (await svc.query("T", "again", 64, 0, 2**62))[0] == [phy]
+        assert len(svc.files) == 3 and "again within" in caplog.text
+    finally:
+        await svc.close()
+        await store.close()
