@@ -795,4 +795,11 @@ async def test_a_clock_stepped_forward_and_back_leaves_later_messages_found_by_a
         assert len(svc.files) == 3 and "again within" in caplog.text
     finally:
         await svc.close()
+    svc = await _service(tmp_path, store, clock=lambda: now[0])    # a start keeps the files, out of time order
+    try:
+        assert svc.rebuilt == [] and len(svc.files) == 3
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
+    finally:
+        await svc.close()
         await store.close()
