@@ -45,7 +45,7 @@ from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, property_bytes, string_to_properties
 from protocol.record import MESSAGE_MAGIC_BYTES
 
-from .index_file import IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
+from .index_file import MAX_BATCH, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .saved import retrieved
 
@@ -514,8 +514,23 @@ class IndexService:
     def _flush(self, items: list) -> None:
         while items:
             f = self._writable(items[0][2])
-            n = f.put_many(items)
+            n = f.put_many(items[:self._fitting(f, items)])
             del items[:n]
+
+    def _fitting(self, f: IndexFile, items: list) -> int:
+        """How many of ``items`` from the first go to ``f``: as far as the first whose store time is past the file's
+        period or (unless the first already is) over BACK_STEP_MS before its begin. The file was chosen by the
+        first only: a batch across a step back of the clock had the records after it clamped to a begin a day
+        ahead, and a catch-up over days of the log put them all in one file."""
+        begin = f.begin_ts if f.count > 1 else items[0][2]
+        lo = begin - BACK_STEP_MS if items[0][2] >= begin - BACK_STEP_MS else -1
+        hi = begin + self.period_ms
+        n = min(len(items), f.room, MAX_BATCH)
+        for i in range(1, n):
+            ts = items[i][2]
+            if ts < lo or ts >= hi:
+                return i
+        return n
 
     def _writable(self, ts: int) -> IndexFile:
         last = self.files[-1] if self.files else None

@@ -803,3 +803,36 @@ async def test_a_clock_stepped_forward_and_back_leaves_later_messages_found_by_a
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(30)
+async def test_records_indexed_in_one_batch_go_to_the_file_of_their_time(tmp_path):
+    """The file was chosen by a batch's first record: a batch across the clock's step back (records gathered for
+    lag_ms, or a catch-up's slice of up to 1,024 entries) put the records after the step in the file begun a day
+    ahead, clamped to its begin (a +-1 min query found none of them), and a catch-up over days of the log put
+    them all in one file (no period roll within a batch). Each batch is cut where a record leaves its file's time."""
+    base, hour, minute, day = 1_700_000_000_000, 3_600_000, 60_000, 86_400_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    sent = {}
+
+    async def put(key):
+        sent[key] = (now[0], (await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+
+    for now[0], key in ((base, "d0"), (base + day, "d1"), (base + 2 * day, "d2")):
+        await put(key)
+    svc = await _service(tmp_path, store, clock=lambda: now[0], lag_ms=60_000.0)    # caught up in one batch
+    try:
+        assert (await svc.query("T", "d2", 64, 0, 2**62))[0] == [sent["d2"][1]]
+        assert len(svc.files) == 3, svc.files
+        for now[0], key in ((base + 3 * day, "ahead"), (base + 3 * day + 5_000, "same-batch"),
+                            (base + 2 * day + hour, "back")):
+            await put(key)          # gathered for lag_ms: the query below takes them in one batch
+        assert (await svc.query("T", "back", 64, 0, 2**62))[0] == [sent["back"][1]]
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
+    finally:
+        await svc.close()
+        await store.close()
