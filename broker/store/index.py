@@ -32,6 +32,7 @@ import collections
 import errno
 import itertools
 import logging
+import operator
 import os
 import queue
 import re
@@ -71,6 +72,7 @@ MAX_QUERY_CHECKS = 4096
 # pread each, 7-10 us on a loaded host); 16,384 is 0.16 s there.
 MAX_QUERY_READS = 4 * MAX_QUERY_CHECKS
 _CUT_LOG_EVERY_S = 60.0
+_TIME = operator.itemgetter(2)     # an index item's store time
 # A record stored more than BACK_STEP_MS before the begin of the file being written (the wall clock stepped back,
 # after a jump ahead started that file) starts a new file: in it, each entry's time is its TIME DIFF from the
 # file's begin, never negative, so every later entry was taken as stored at that begin, and a query by key with
@@ -526,11 +528,10 @@ class IndexService:
         lo = begin - BACK_STEP_MS if items[0][2] >= begin - BACK_STEP_MS else -1
         hi = begin + self.period_ms
         n = min(len(items), f.room, MAX_BATCH)
-        for i in range(1, n):
-            ts = items[i][2]
-            if ts < lo or ts >= hi:
-                return i
-        return n
+        times = list(map(_TIME, itertools.islice(items, n)))
+        if lo <= min(times, default=lo) and max(times, default=lo) < hi:    # (the common case)
+            return n
+        return next((i for i in range(1, n) if not lo <= times[i] < hi), n)
 
     def _writable(self, ts: int) -> IndexFile:
         last = self.files[-1] if self.files else None
