@@ -3,7 +3,9 @@
 Every stored record that is not a ROLLBACK, nor of a topic given as ``unindexed`` (the transaction op
 topic: nobody looks its records up by key, and RocketMQ's op messages have no UNIQ_KEY to index), gets
 one entry for ``topic#UNIQ_KEY`` and one for each word of its KEYS property (space separated), in index
-files of index_file.py; a new file starts when the last is full or ``period_ms`` old, and a file is
+files of index_file.py; a new file starts when the last is full, or a record's store time is ``period_ms``
+past its begin or over BACK_STEP_MS before it (the clock stepped back: at most once per BACK_ROLL_EVERY_S), a
+batch of records cut where one leaves its file's time; a file is
 removed once retention has removed every segment it points into (its END PHYOFFSET is below the log's
 first offset; never the last).
 
