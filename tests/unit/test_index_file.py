@@ -836,3 +836,34 @@ async def test_records_indexed_in_one_batch_go_to_the_file_of_their_time(tmp_pat
     finally:
         await svc.close()
         await store.close()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@bounded(30)
+async def test_a_key_stored_before_a_step_back_within_a_file_is_found_by_its_time_window(tmp_path, batched):
+    """A clock stepped back an hour, still after the file's begin: the entries after the step are older than the
+    ones before it, and the walk of a key's entries (newest first) stopped at the first one older than the window,
+    so a +-5 s query for a message with the same key stored just before the step found none of it. A step back of
+    over BACK_STEP_MS below the file's newest entry starts a new file; the walk reads on BACK_STEP_MS below its window."""
+    base, hour, minute = 1_700_000_000_000, 3_600_000, 60_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    # batched: the records gathered for lag_ms, indexed in one batch at the first query (_fitting cuts it)
+    svc = await _service(tmp_path, store, clock=lambda: now[0], **({"lag_ms": 60_000.0} if batched else {}))
+    sent = []
+    try:
+        # an hour back (a new file), then 40 s back within a file (under BACK_STEP_MS: the walk reads on past it)
+        for now[0] in (base, base + 2 * hour, base + hour, base + hour + minute, base + hour + 2 * minute,
+                       base + hour + minute + 20_000):
+            phy = (await store.put(PutRequest.build("T", b"x", properties={"KEYS": "order-1"}))).physical_offset
+            sent.append((now[0], phy))
+            if not batched:
+                assert phy in (await svc.query("T", "order-1", 64, 0, 2**62))[0]
+        for ts, phy in sent:
+            assert (await svc.query("T", "order-1", 64, ts - 5_000, ts + 5_000))[0] == [phy], (ts - base, svc.files)
+        assert len(svc.files) == 2, svc.files
+    finally:
+        await svc.close()
+        await store.close()
