@@ -787,7 +787,7 @@ async def test_a_clock_stepped_forward_and_back_leaves_later_messages_found_by_a
             assert (await svc.query("T", key, 64, 0, 2**62))[0] == [sent[key][1]]
         for key, (ts, phy) in sent.items():
             assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
-        assert len(svc.files) == 3, svc.files       # "flap" (10 s before the file's begin) made no fourth file
+        assert len(svc.files) == 3, svc.files       # "flap" (1 h 10 s below "later"): within the guard, no fourth file
         assert "stepped back" in caplog.text
         now[0] = base + hour // 2       # stepped back again at once: no file per step, the entry clamped (said)
         phy = (await store.put(PutRequest.build("T", b"x", properties={"KEYS": "again"}))).physical_offset
