@@ -3,7 +3,10 @@
 Every stored record that is not a ROLLBACK, nor of a topic given as ``unindexed`` (the transaction op
 topic: nobody looks its records up by key, and RocketMQ's op messages have no UNIQ_KEY to index), gets
 one entry for ``topic#UNIQ_KEY`` and one for each word of its KEYS property (space separated), in index
-files of index_file.py; a new file starts when the last is full or ``period_ms`` old, and a file is
+files of index_file.py; a new file starts when the last is full, or a record's store time is ``period_ms``
+past its begin or over BACK_STEP_MS before its newest entry (the clock stepped back: at most once per
+BACK_ROLL_EVERY_S), a
+batch of records cut where one leaves its file's time; a file is
 removed once retention has removed every segment it points into (its END PHYOFFSET is below the log's
 first offset; never the last).
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import itertools
 import logging
 import os
 import queue
@@ -44,7 +48,7 @@ from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, property_bytes, string_to_properties
 from protocol.record import MESSAGE_MAGIC_BYTES
 
-from .index_file import IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
+from .index_file import BACK_STEP_MS, MAX_BATCH, TIME, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .saved import retrieved
 
@@ -70,6 +74,14 @@ MAX_QUERY_CHECKS = 4096
 # pread each, 7-10 us on a loaded host); 16,384 is 0.16 s there.
 MAX_QUERY_READS = 4 * MAX_QUERY_CHECKS
 _CUT_LOG_EVERY_S = 60.0
+# A record stored more than BACK_STEP_MS (index_file.py) before the newest entry of the file being written (the wall
+# clock stepped back) starts a new file. In that file, each entry's time is its TIME DIFF from the file's begin,
+# never negative: after a jump ahead started the file, every later entry was taken as stored at that begin, and a
+# query by key with a window around its real time found nothing. And a key's walk, newest first, stops at the
+# first entry older than the window: an entry stored after a step back (still past the file's begin) hid the
+# entries of the key stored before it in the window. At most one such file per BACK_ROLL_EVERY_S (each takes a slot
+# table of 4 * index_hash_slots bytes): a clock that flaps back and forth has its entries kept, out of order, said.
+BACK_ROLL_EVERY_S = 600.0
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
@@ -158,6 +170,9 @@ class IndexService:
         self.queries_cut = 0            # queries that stopped at max_checks (txmq_index_queries_cut_total)
         self._job_began: float | None = None    # time.monotonic() the index thread began its job now running
         self._cut_logged = -_CUT_LOG_EVERY_S
+        self.back_roll_every_s = BACK_ROLL_EVERY_S
+        self._back_rolled: float | None = None  # time.monotonic() a record older than its file started one
+        self._back_said = -_CUT_LOG_EVERY_S
 
     # ------------------------------------------------------------ lifecycle
     def on_dispatch(self, info) -> None:
@@ -503,13 +518,37 @@ class IndexService:
     def _flush(self, items: list) -> None:
         while items:
             f = self._writable(items[0][2])
-            n = f.put_many(items)
+            n = f.put_many(items[:self._fitting(f, items)])
             del items[:n]
+
+    def _fitting(self, f: IndexFile, items: list) -> int:
+        """How many of ``items`` from the first go to ``f``: as far as the first whose store time is past the file's
+        period or (unless the first already is) over BACK_STEP_MS below the newest before it in the file. The file
+        was chosen by the first only: a batch across a step back of the clock had the records after it clamped to
+        a begin a day ahead, and a catch-up over days of the log put them all in one file."""
+        first = items[0][2]
+        begin, top = (f.begin_ts, max(f.end_ts, first)) if f.count > 1 else (first, first)
+        hi = begin + self.period_ms
+        n = min(len(items), f.room, MAX_BATCH)
+        times = list(map(TIME, itertools.islice(items, n)))
+        if first < f.end_ts - BACK_STEP_MS and f.count > 1:     # stepped back, no new file (_may_roll_back): kept
+            return next((i for i in range(1, n) if times[i] >= hi), n)
+        lo, most = min(times), max(times)
+        if top - BACK_STEP_MS <= lo and most - BACK_STEP_MS <= lo and most < hi:    # (the common case)
+            return n
+        for i in range(1, n):
+            t = times[i]
+            if t >= hi or t < top - BACK_STEP_MS:
+                return i
+            if t > top:
+                top = t
+        return n
 
     def _writable(self, ts: int) -> IndexFile:
         last = self.files[-1] if self.files else None
         if last is not None and not last.full and not (last.count > 1 and ts - last.begin_ts >= self.period_ms):
-            return last
+            if not (last.count > 1 and ts < last.end_ts - BACK_STEP_MS and self._may_roll_back(last, ts)):
+                return last
         name = _file_name(self.clock())
         if last is not None and name <= last.name:
             name = f"{int(last.name) + 1:017d}"
@@ -524,6 +563,26 @@ class IndexService:
             log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
         self.files.append(f)
         return f
+
+    def _may_roll_back(self, last: IndexFile, ts: int) -> bool:
+        """A record stored over BACK_STEP_MS before ``last``'s newest entry: a new file for it, unless one was started
+        so less than back_roll_every_s ago (then its entry is kept in ``last``, out of time order, said once a
+        minute)."""
+        now = time.monotonic()
+        if self._back_rolled is None or now - self._back_rolled >= self.back_roll_every_s:
+            self._back_rolled = now
+            log.warning("index: a record stored %.1f s before the newest entry of index file %s (the wall clock stepped "
+                        "back): a new index file for it, so a query by key with a time window finds it at its store "
+                        "time", (last.end_ts - ts) / 1000, last.name)
+            return True
+        if now - self._back_said >= _CUT_LOG_EVERY_S:
+            self._back_said = now
+            log.warning("index: a record stored %.1f s before the newest entry of index file %s: the wall clock stepped "
+                        "back again within %.0f s of the last new file for that, so its entry is kept in that file out "
+                        "of time order (taken as stored at the file's begin if before it): a query by key with a time "
+                        "window may miss it or the key's entries stored before it (check NTP; said once a minute)",
+                        (last.end_ts - ts) / 1000, last.name, self.back_roll_every_s)
+        return False
 
     def _catch_up(self, hi: int) -> None:
         """One slice of the start-up catch-up; the rest goes to the back of the queue, behind the queries
@@ -648,7 +707,11 @@ class IndexService:
         files = self.files
         checks, cut = self.max_checks, False
         budget = WalkBudget(self.max_reads)
-        for f in reversed(files):
+        # The newest END TIMESTAMP of files[:i + 1]: after the clock stepped back, an older file may begin (and end)
+        # after a newer one, and the walk reads on past a file that begins before the range while one may match.
+        ends = list(itertools.accumulate((f.end_ts for f in files), max))
+        for i in range(len(files) - 1, -1, -1):
+            f = files[i]
             if len(found) >= max_num or cut or budget.cut:  # before the first file too: a maxNum of 0 asks for
                 break                                       # nothing (RocketMQ)
             if f.count > 1 and f.time_matched(begin, end):
@@ -661,7 +724,7 @@ class IndexService:
                         found.append(phy)
                         if len(found) >= max_num:
                             break
-            if f.count > 1 and f.begin_ts < begin:
+            if f.count > 1 and f.begin_ts < begin and (i == 0 or ends[i - 1] < begin):
                 break
         cut = cut or budget.cut
         if cut:

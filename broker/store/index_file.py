@@ -47,6 +47,11 @@ ENTRY_SIZE = 20
 MAX_BATCH = 1024            # entries per header update: bounds what open() may have to undo
 _INT_MAX = 0x7FFFFFFF
 _SECOND = 1000              # an entry's TIME DIFF is in seconds
+TIME = operator.itemgetter(2)     # an entry's (key hash, offset, store time): its store time
+# How far an entry's store time may be below the newest before it in its file (index.py starts a new file for one
+# further below: the clock stepped back). A key's walk, newest first, reads on this far below its range: it stopped
+# at the first entry older than the range, and missed the entries stored in it before the clock stepped back.
+BACK_STEP_MS = 60_000
 
 
 def _pwrite_all(fd: int, data, at: int, path: str) -> None:
@@ -341,9 +346,10 @@ class IndexFile:
         for slot, value in slots.items():
             write_slot(mem, HEADER_SIZE + 4 * slot, value)
         last = items[n - 1]
-        # Never below the begin or the end it had: store times are the wall clock's, and one stepped back made
-        # END < BEGIN, a header every later start took for damage (the file and all newer ones rebuilt).
-        end_ts = max(last[2], begin_ts if first <= 1 else self.end_ts)
+        # The newest of the batch (a batch's last record may be one stored after the clock stepped back: END set to
+        # it, a query for the ones before found the file out of its range), never below the begin or the end it
+        # had: one stepped back made END < BEGIN, a header every later start took for damage (all files rebuilt).
+        end_ts = max(max(map(TIME, items[:n])), begin_ts if first <= 1 else self.end_ts)
         self.count, self.begin_ts, self.end_phy, self.end_ts = count, begin_ts, last[1], end_ts
         self.slot_count = slot_count
         self._write_header()
@@ -463,7 +469,7 @@ class IndexFile:
             t = self.begin_ts + diff * 1000         # the record was stored in [t, t + 999]
             if hr == h and t <= end and t + _SECOND > begin:
                 yield phy
-            if prev <= 0 or prev >= count or prev == at or t + _SECOND <= begin:
+            if prev <= 0 or prev >= count or prev == at or t + _SECOND + BACK_STEP_MS <= begin:
                 return
             at = prev
 

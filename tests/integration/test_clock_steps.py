@@ -22,6 +22,7 @@ from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from tests.support.cluster_process import request
+from tests.integration.test_query_ops import _query_key
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, stepped_env
 
 pytestmark = pytest.mark.asyncio
@@ -319,3 +320,24 @@ async def test_a_deleted_groups_kept_older_subscriptions_series_goes_with_its_ot
     reply = await request(b.broker, RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_kept_older"})
     assert reply.code == ResponseCode.SUCCESS, reply.remark
     assert await asyncio.to_thread(_kept_older, b, "CG_kept_older") is None
+
+
+@pytest.mark.parametrize("steps", [("+0", "+24h", "+1h", "+61m"), ("+0", "+2h", "+1h", "+61m")],
+                         ids=["a-day-ahead-and-back", "back-within-a-file"])
+async def test_a_query_by_key_and_time_finds_each_message_stored_across_clock_steps(broker_factory, tmp_path, steps):
+    """The same key sent at each offset of the wall clock: a query by key with a window of +-5 s around each
+    message's store time finds it and only it. A day ahead and back: every entry after the step was taken as stored
+    at the begin of the file started a day ahead (found by the all-time query only). Back an hour within a file's
+    day: the key's walk, newest first, stopped at the entry stored after the step and missed the one before it."""
+    offset = tmp_path / "faketime"
+    offset.write_text("+0\n")
+    b = broker_factory(env=stepped_env(offset))
+    async with Producer(b.namesrv, "PG_clock") as producer:
+        for step in steps:
+            offset.write_text(step + "\n")
+            await producer.send("Keyed", step.encode(), keys="order-1")
+    sent = await _query_key(b, "Keyed", "order-1")
+    assert sorted(m.body for m in sent) == sorted(s.encode() for s in steps)
+    for m in sent:
+        got = await _query_key(b, "Keyed", "order-1", m.store_timestamp - 5_000, m.store_timestamp + 5_000)
+        assert [g.body for g in got] == [m.body], (m.body, m.store_timestamp, [g.store_timestamp for g in sent])

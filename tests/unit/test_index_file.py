@@ -764,3 +764,106 @@ async def test_a_committed_record_whose_type_bit_flipped_is_indexed_when_the_ind
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(30)
+async def test_a_clock_stepped_forward_and_back_leaves_later_messages_found_by_a_time_window(tmp_path, caplog):
+    """A clock jumped a day ahead (a send then started a file beginning a day ahead) and stepped back: every later
+    entry's time was clamped to that file's begin, and a query by key with a window of a minute around a message
+    stored an hour later found none of it (the all-time query found it). A record stored before the file being
+    written begins now starts a new file (once per BACK_ROLL_EVERY_S: a flapping clock makes no file per step),
+    and a query reads on past a file that begins before its window while an older file may still match."""
+    base, hour, minute = 1_700_000_000_000, 3_600_000, 60_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    svc = await _service(tmp_path, store, clock=lambda: now[0])
+    sent = {}
+    try:
+        for now[0], key in ((base, "a"), (base + 24 * hour + 5_000, "ahead"), (base + hour, "back"),
+                            (base + 2 * hour, "later"), (base + hour - 10_000, "flap")):
+            sent[key] = (now[0], (await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+            assert (await svc.query("T", key, 64, 0, 2**62))[0] == [sent[key][1]]
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
+        assert len(svc.files) == 3, svc.files       # "flap" (1 h 10 s below "later"): within the guard, no fourth file
+        assert "stepped back" in caplog.text
+        now[0] = base + hour // 2       # stepped back again at once: no file per step, the entry clamped (said)
+        phy = (await store.put(PutRequest.build("T", b"x", properties={"KEYS": "again"}))).physical_offset
+        assert (await svc.query("T", "again", 64, 0, 2**62))[0] == [phy]
+        assert len(svc.files) == 3 and "again within" in caplog.text
+    finally:
+        await svc.close()
+    svc = await _service(tmp_path, store, clock=lambda: now[0])    # a start keeps the files, out of time order
+    try:
+        assert svc.rebuilt == [] and len(svc.files) == 3
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
+    finally:
+        await svc.close()
+        await store.close()
+
+
+@bounded(30)
+async def test_records_indexed_in_one_batch_go_to_the_file_of_their_time(tmp_path):
+    """The file was chosen by a batch's first record: a batch across the clock's step back (records gathered for
+    lag_ms, or a catch-up's slice of up to 1,024 entries) put the records after the step in the file begun a day
+    ahead, clamped to its begin (a +-1 min query found none of them), and a catch-up over days of the log put
+    them all in one file (no period roll within a batch). Each batch is cut where a record leaves its file's time."""
+    base, hour, minute, day = 1_700_000_000_000, 3_600_000, 60_000, 86_400_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    sent = {}
+
+    async def put(key):
+        sent[key] = (now[0], (await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+
+    for now[0], key in ((base, "d0"), (base + day, "d1"), (base + 2 * day, "d2")):
+        await put(key)
+    svc = await _service(tmp_path, store, clock=lambda: now[0], lag_ms=60_000.0)    # caught up in one batch
+    try:
+        assert (await svc.query("T", "d2", 64, 0, 2**62))[0] == [sent["d2"][1]]
+        assert len(svc.files) == 3, svc.files
+        for now[0], key in ((base + 3 * day, "ahead"), (base + 3 * day + 5_000, "same-batch"),
+                            (base + 2 * day + hour, "back")):
+            await put(key)          # gathered for lag_ms: the query below takes them in one batch
+        assert (await svc.query("T", "back", 64, 0, 2**62))[0] == [sent["back"][1]]
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, ts - minute, ts + minute))[0] == [phy], key
+    finally:
+        await svc.close()
+        await store.close()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@bounded(30)
+async def test_a_key_stored_before_a_step_back_within_a_file_is_found_by_its_time_window(tmp_path, batched):
+    """A clock stepped back an hour, still after the file's begin: the entries after the step are older than the
+    ones before it, and the walk of a key's entries (newest first) stopped at the first one older than the window,
+    so a +-5 s query for a message with the same key stored just before the step found none of it. A step back of
+    over BACK_STEP_MS below the file's newest entry starts a new file; the walk reads on BACK_STEP_MS below its window."""
+    base, hour, minute = 1_700_000_000_000, 3_600_000, 60_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    # batched: the records gathered for lag_ms, indexed in one batch at the first query (_fitting cuts it)
+    svc = await _service(tmp_path, store, clock=lambda: now[0], **({"lag_ms": 60_000.0} if batched else {}))
+    sent = []
+    try:
+        # an hour back (a new file), then 40 s back within a file (under BACK_STEP_MS: the walk reads on past it)
+        for now[0] in (base, base + 2 * hour, base + hour, base + hour + minute, base + hour + 2 * minute,
+                       base + hour + minute + 20_000):
+            phy = (await store.put(PutRequest.build("T", b"x", properties={"KEYS": "order-1"}))).physical_offset
+            sent.append((now[0], phy))
+            if not batched:
+                assert phy in (await svc.query("T", "order-1", 64, 0, 2**62))[0]
+        for ts, phy in sent:
+            assert (await svc.query("T", "order-1", 64, ts - 5_000, ts + 5_000))[0] == [phy], (ts - base, svc.files)
+        assert len(svc.files) == 2, svc.files
+    finally:
+        await svc.close()
+        await store.close()
