@@ -232,9 +232,15 @@ class BrokerMetrics:
         self.checks_rerouted = Counter("txmq_transaction_checks_rerouted",
                                        "Checks sent to another producer of the group than the half's sender, by why "
                                        "(sender-busy: at its in-flight cap; sender-unanswered: its last check went "
-                                       "unanswered; sender-gone: not connected; sender-left: unregistered the "
+                                       "unanswered; sender-silent: it left a check unanswered, and another producer has "
+                                       "not; sender-gone: not connected; sender-left: unregistered the "
                                        "group; sender-unknown: not known, e.g. a half stored just before a crash).",
                                        ["producer_group", "reason"], registry=r)
+        self.producers_silent = Counter("txmq_transaction_producers_silent",
+                                        "Times a producer connection left a transaction check unanswered (it came "
+                                        "due again) after answering the ones before: it is asked only when no other "
+                                        "producer of the group has room, until it answers. The log names its client "
+                                        "id and address.", ["producer_group"], registry=r)
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)

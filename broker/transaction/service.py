@@ -829,21 +829,29 @@ class TransactionService:
             self._slice_gone.add(tx.group)
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
+        silent = self.core.unanswered_checks
         if owner is not None and (not tx.unanswered or not channels):
-            if self._has_room(owner, tx.group, size):
+            if silent(owner, tx.group) and any(not silent(ch.conn, tx.group) for ch in channels):
+                why = "sender-silent"
+            elif self._has_room(owner, tx.group, size):
                 if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
                     tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
                 return self._take(tx, owner, size, "")
-            why = "sender-busy"
+            else:
+                why = "sender-busy"
         elif owner is not None:
             why = "sender-unanswered"
         if not channels:
             return None                 # its sender has no room and no other is registered: after an interval
-        for _ in range(len(channels)):
-            self._rr += 1
-            conn = channels[self._rr % len(channels)].conn
-            if self._has_room(conn, tx.group, size):
-                return self._take(tx, conn, size, "" if conn is owner else why)
+        # Producers that answer first, in turn; one that left its last checks unanswered (hung, its connection
+        # open) only when none of them has room: asked in turn with the others, each check it took waited a
+        # (doubled) interval before another producer was asked.
+        for hushed in (False, True):
+            for _ in range(len(channels)):
+                self._rr += 1
+                conn = channels[self._rr % len(channels)].conn
+                if bool(silent(conn, tx.group)) is hushed and self._has_room(conn, tx.group, size):
+                    return self._take(tx, conn, size, "" if conn is owner else why)
         if not self._full(tx.group, channels):
             self._slice_short.add(tx.group)
         return BUSY
@@ -979,6 +987,8 @@ class TransactionService:
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         for group in self._slice_short:     # the next slice's bytes are its room: offered it at the next pass
             self.core.room_changed(group)
+        if self.core.newly_silent:
+            self._say_silent()
         if deferred:        # (most slices defer nothing: no Counter built for them, one a transaction at one in flight)
             metrics = self.ctx.metrics
             for group, n in collections.Counter(tx.group for tx in deferred).items():
@@ -1118,6 +1128,24 @@ class TransactionService:
         silence (ClientRegistry.on_producer_left: a set) and stays open: the groups' checks it holds are asked
         again of another producer at once, as a closed connection's (core.producer_left)."""
         self._checks_lost(self.core.producer_left(conn, groups, self.ctx.monotonic()))
+
+    def _say_silent(self) -> None:
+        """Name the producers that left a check unanswered (hung listener, stuck local transaction) since they last
+        answered one: they are asked only when no other producer of the group has room, so nothing else would say
+        one is stuck. Once a producer, until it answers again (or reconnects)."""
+        silent, self.core.newly_silent = self.core.newly_silent, []
+        metrics = self.ctx.metrics
+        for conn, group in silent:
+            if self.core.unanswered_checks(conn, group) == 0:
+                continue                # answered (or gone) since
+            client_id = next((ch.client_id for ch in self.ctx.clients.producer_channels(group) if ch.conn is conn),
+                             "?")
+            host, port = getattr(conn, "peer", ("?", 0))[:2]
+            log.warning("producer %s at %s:%s of group %s left a transaction check unanswered: it is asked only when "
+                        "no other producer of the group has room, until it answers one. Look at that instance's "
+                        "transaction listener (hung checkLocalTransaction, thread pool full).",
+                        client_id, host, port, group)
+            metrics.child(metrics.producers_silent, group).inc()
 
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:

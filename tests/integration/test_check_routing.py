@@ -490,3 +490,36 @@ async def test_a_stock_admins_resume_of_a_dead_letter_keeps_its_sender_with_the_
         resumed = await request(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead[0].offset_msg_id})
         assert resumed.code == ResponseCode.SUCCESS, resumed.remark
     await _asked_of_its_sender_before_its_first_heartbeat(b, "C0A80001000012345679", resume)
+
+
+@bounded(90)
+async def test_producers_that_leave_checks_unanswered_are_asked_only_when_no_other_has_room(broker_factory):
+    """Three of a group's four producers hung with their connections open (never answering a check): round-robin
+    asked them as often as the one that answers, each check they took waiting a (doubled) interval before
+    another producer was asked; 20 transactions took ~60 checks of the hung ones (25 of 50 hung: the last
+    decided after 46 s). A producer that left a check unanswered is now passed over while another has room:
+    past the first round, a hung one takes a check only before its own first unanswered one comes due."""
+    n = 20
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1500",
+                       "--transaction-check-max", "1000")
+    changed = asyncio.Event()
+    hung = [Checked(changed) for _ in range(3)]
+    conns = [await _raw(b, handler, f"127.0.0.1@hung-{i}") for i, handler in enumerate(hung)]
+    good = Listener(changed=changed)
+    try:
+        async with _producer(b, "good", good):
+            sender = await _producer(b, "sender", Listener()).start()
+            for i in range(n):
+                await sender.send_in_transaction(TOPIC, b"order %d" % i)
+            await _die(sender)                      # its transactions are asked of the group's other producers
+            while len(set(good.asked)) < n:
+                changed.clear()
+                await changed.wait()
+            assert sorted(set(good.asked)) == sorted(b"order %d" % i for i in range(n))
+            asked_hung = sum(len(h.asked) for h in hung)
+            # the first round: 3 of every 4 to a hung producer; then each at most one more before it is known silent
+            assert asked_hung <= n + len(hung), asked_hung
+            assert await _metric(b, "txmq_transaction_producers_silent_total") == len(hung)
+    finally:
+        for conn in conns:
+            conn.close()
