@@ -232,8 +232,7 @@ class BrokerMetrics:
         self.checks_rerouted = Counter("txmq_transaction_checks_rerouted",
                                        "Checks sent to another producer of the group than the half's sender, by why "
                                        "(sender-busy: at its in-flight cap; sender-unanswered: its last check went "
-                                       "unanswered; sender-silent: it left a check unanswered, and another producer has "
-                                       "not; sender-gone: not connected; sender-left: unregistered the "
+                                       "unanswered; sender-gone: not connected; sender-left: unregistered the "
                                        "group; sender-unknown: not known, e.g. a half stored just before a crash).",
                                        ["producer_group", "reason"], registry=r)
         self.producers_silent = Counter("txmq_transaction_producers_silent",

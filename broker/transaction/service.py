@@ -829,16 +829,12 @@ class TransactionService:
             self._slice_gone.add(tx.group)
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
-        silent = self.core.unanswered_checks
         if owner is not None and (not tx.unanswered or not channels):
-            if silent(owner, tx.group) and any(not silent(ch.conn, tx.group) for ch in channels):
-                why = "sender-silent"
-            elif self._has_room(owner, tx.group, size):
+            if self._has_room(owner, tx.group, size):
                 if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
                     tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
                 return self._take(tx, owner, size, "")
-            else:
-                why = "sender-busy"
+            why = "sender-busy"
         elif owner is not None:
             why = "sender-unanswered"
         if not channels:
@@ -846,6 +842,7 @@ class TransactionService:
         # Producers that answer first, in turn; one that left its last checks unanswered (hung, its connection
         # open) only when none of them has room: asked in turn with the others, each check it took waited a
         # (doubled) interval before another producer was asked.
+        silent = self.core.unanswered_checks
         for hushed in (False, True):
             for _ in range(len(channels)):
                 self._rr += 1
