@@ -520,6 +520,9 @@ async def test_producers_that_leave_checks_unanswered_are_asked_only_when_no_oth
             # the first round: 3 of every 4 to a hung producer; then each at most one more before it is known silent
             assert asked_hung <= n + len(hung), asked_hung
             assert await _metric(b, "txmq_transaction_producers_silent_total") == len(hung)
+            said = [line for line in b.log().splitlines() if "left a transaction check unanswered" in line]
+            assert sorted(line.split()[line.split().index("producer") + 1] for line in said) == \
+                [f"127.0.0.1@hung-{i}" for i in range(3)], said
     finally:
         for conn in conns:
             conn.close()
