@@ -594,9 +594,15 @@ class TransactionCore:
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, origin: Origin, group: str | None = None,
-            queue_offset: int | None = None, reason: str | None = None) -> Reply | Write | Wait:
-        """A decision (or UNKNOWN) for the transaction at ``half_offset``, from ``origin``."""
+            queue_offset: int | None = None, reason: str | None = None, channel=None) -> Reply | Write | Wait:
+        """A decision (or UNKNOWN) for the transaction at ``half_offset``, from ``origin``; a check's answer with
+        the ``channel`` it came on (else taken as from the one its check last went to)."""
         tx = self.pending.get(half_offset)
+        if origin is Origin.CHECK and channel is not None and group is not None:
+            # The producer that answers is no longer silent, whichever check it answers: a slow one answers a check
+            # after it came due again and went to another producer (or was decided). Clearing the check's current
+            # channel instead left the slow one passed over for good, and cleared one that had not answered.
+            self._answered(channel, group)
         if tx is not None and origin in (Origin.PRODUCER, Origin.CHECK):
             refused = _not_its_half(tx.group, tx.queue_offset, group, queue_offset)
             if refused is not None:
@@ -604,7 +610,8 @@ class TransactionCore:
             if origin is Origin.CHECK:
                 tx.awaiting = False
                 tx.unanswered = 0
-                self._answered(tx.check_channel, tx.group)
+                if channel is None:
+                    self._answered(tx.check_channel, tx.group)
                 self._release(tx)
             tx.last_answer = op
         if op not in DECISIONS and op != UNKNOWN:

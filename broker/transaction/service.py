@@ -523,7 +523,8 @@ class TransactionService:
         fut.add_done_callback(made)
 
     # ------------------------------------------------------------ decisions
-    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None):
+    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None,
+            conn=None):
         """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it; or, when
         ``later`` (an Answer of (code, remark) results) is given and the decision is written at once, None:
         the store's writer hands ``later`` the answer."""
@@ -533,7 +534,7 @@ class TransactionService:
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         held = tx is not None and tx.check_channel is not None
-        action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
+        action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset, channel=conn)
         # An answer that freed a check slot: the parked may go now. Only such a one: a pass reads the whole pending
         # index (the progress floor), and an "answer" repeated for a transaction nobody was asked about (or another
         # group's) woke one each, cutting END throughput 8x while anything was parked. Nor one of a group with nothing
