@@ -85,6 +85,8 @@ class DecisionError(Exception):
 
 # Dead-lettered transactions committed late, past the ERROR lines a minute, kept to be named at its end
 _UNSAID_MAX = 2000
+# (group, client id) keys of silent producers whose WARNING is held back for the minute (TransactionService._say_silent)
+_SILENT_KEYS_MAX = 10_000
 
 
 class TransactionService:
@@ -123,6 +125,11 @@ class TransactionService:
         self._rr = 0
         # COMMITs of dead-lettered transactions said: each once a minute, 20 a minute in all (a client may repeat them)
         self._dead_commit_said = EveryKey(60, total=20)
+        # Silent producers named: each (group, client id) once a minute, by the broker's clock. A slow producer goes
+        # silent and back at each late answer: once a check pass under a stream of its transactions, each a line.
+        # The times not said are counted by key (at most _SILENT_KEYS_MAX keys) and given in its next line.
+        self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
+        self._silent_unsaid: dict[str, int] = {}
         # ... and those past the 20, named together once the minute is over (say_unsaid_dead_commits): half offset
         # -> group, at most _UNSAID_MAX (the rest counted), each named once
         self._dead_commits_unsaid: dict[int, str] = {}
@@ -1139,11 +1146,20 @@ class TransactionService:
             client_id = next((ch.client_id for ch in self.ctx.clients.producer_channels(group) if ch.conn is conn),
                              "?")
             host, port = getattr(conn, "peer", ("?", 0))[:2]
-            log.warning("producer %s at %s:%s of group %s left a transaction check unanswered: it is asked only when "
-                        "no other producer of the group has room, until it answers one. Look at that instance's "
-                        "transaction listener (hung checkLocalTransaction, thread pool full).",
-                        client_id, host, port, group)
             metrics.child(metrics.producers_silent, group).inc()
+            key = f"{group}\0{client_id}"
+            unsaid = self._silent_unsaid
+            if not self._silent_said.due(key):
+                if key in unsaid or len(unsaid) < _SILENT_KEYS_MAX:
+                    unsaid[key] = unsaid.get(key, 0) + 1
+                continue
+            more = unsaid.pop(key, 0)
+            log.warning("producer %s at %s:%s of group %s left a transaction check unanswered%s: it is asked only "
+                        "when no other producer of the group has room, until it answers one. Look at that instance's "
+                        "transaction listener (hung or slower than the check interval checkLocalTransaction, thread "
+                        "pool full).", client_id, host, port, group,
+                        f" ({more} more times since it was last named, a minute ago or more: it answers late)"
+                        if more else "")
 
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:
