@@ -572,8 +572,11 @@ class TransactionService:
         if reply.event == "no-half":
             # No half stored at the offset it names (a normal message's, an op record's, past the log's end, or a
             # half retention removed): a stock client's oneway END is never answered, so the decision it carried
-            # was lost with only a log line; counted, a producer ending transactions it cannot have is seen.
-            metrics.refused.labels("end-no-half").inc()
+            # was lost with only a log line; counted, a producer ending transactions it cannot have is seen. One
+            # below the log's first offset is counted apart: retention removed its half (a producer deciding very
+            # late, after the dead letter), not an END naming something that was never a half.
+            removed = half_offset is not None and 0 <= half_offset < self.ctx.store.min_physical_offset
+            metrics.refused.labels("end-half-removed" if removed else "end-no-half").inc()
             return
         if reply.event == "commit-after-dead":
             self._commit_after_dead(reply, group, half_offset)
