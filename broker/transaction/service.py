@@ -1146,8 +1146,9 @@ class TransactionService:
         for conn, group in silent:
             if self.core.unanswered_checks(conn, group) == 0:
                 continue                # answered (or gone) since
-            client_id = next((ch.client_id for ch in self.ctx.clients.producer_channels(group) if ch.conn is conn),
-                             "?")
+            # (the heartbeat's name of the connection: the group's producers looked through for each, 1,000 hung at
+            # once held the event loop ~0.1 s a check slice)
+            client_id = getattr(conn, "attributes", {}).get("client_id") or "?"
             host, port = getattr(conn, "peer", ("?", 0))[:2]
             metrics.child(metrics.producers_silent, group).inc()
             key = f"{group}\0{client_id}"
