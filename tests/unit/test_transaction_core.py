@@ -787,3 +787,17 @@ def test_a_channel_that_left_a_check_unanswered_is_silent_until_it_answers_or_le
     assert s.core.unanswered_checks("conn", "PG") == 0 and s.core.unanswered_checks("conn", "PG_other") == 2
     s.core.channel_closed("conn", s.now)
     assert s.core.silent == {}
+
+
+def test_a_late_answer_clears_the_silence_of_the_channel_it_came_on_not_of_the_one_asked_since():
+    """A slow producer answers a check after it came due again and went to another: the answer clears the slow one's
+    silence (it answers), not the other's (which has not)."""
+    s = Shell()
+    s.half(1)
+    s.tick(IMMUNITY)                                    # asked of "conn"
+    s._channel_for = lambda tx: "other"
+    s.tick(INTERVAL)                                    # due again unanswered: asked of "other"
+    s.tick(2 * INTERVAL)                                # and again
+    assert (s.core.unanswered_checks("conn", "PG"), s.core.unanswered_checks("other", "PG")) == (1, 1)
+    s.core.end(1, UNKNOWN, origin=Origin.CHECK, group="PG", queue_offset=None, channel="conn")     # late
+    assert (s.core.unanswered_checks("conn", "PG"), s.core.unanswered_checks("other", "PG")) == (0, 1)
