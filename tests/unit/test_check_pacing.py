@@ -641,3 +641,24 @@ async def test_a_producer_that_answers_late_over_and_over_is_named_once_a_minute
         assert len(said) == 2 and "9 more times" in said[1], said
     finally:
         await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_check_slice_lists_a_groups_producers_once_not_once_a_transaction(tmp_path):
+    """Each due transaction listed its group's producers again (a list of the live ones, built afresh): 1,000
+    producers and 5,000 due transactions held the event loop ~1 s a slice of 250, on main too. Nothing registers
+    or closes within a slice: listed once a slice."""
+    ctx, clock, txs = await storm(tmp_path, 200, transaction_check_in_flight_max=1000)
+    tx = ctx.tx
+    producers = [Producer(f"P{i}") for i in range(50)]
+    for p in producers:
+        ctx.clients.add_producer("PG", p, p.attributes["client_id"])
+    listed = []
+    listing = ctx.clients.producer_channels
+    ctx.clients.producer_channels = lambda group: listed.append(group) or listing(group)
+    try:
+        await tx.run_due(clock.now)
+        assert sum(len(p.checks) for p in producers) == len(txs)
+        assert len(listed) <= 3, len(listed)        # a slice's, and the room offered to the parked
+    finally:
+        await ctx.store._store.close()
