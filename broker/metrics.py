@@ -173,7 +173,7 @@ class BrokerMetrics:
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
                                "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-limit, offset-host-limit, busy, undecided-limit, undecided-total-limit, retry-group-limit, subscription-group-limit, queue-lock-limit, "
                                "max_connections, max_connections_per_host, open-files, max_total_read_buffer, group-limit, subscription-limit, subscription-host-limit, heartbeat-size, parked-pull-limit, "
-                               "producer-group-mismatch, end-not-its-half, end-no-half, end-bad-state, transaction-type-without-half, "
+                               "producer-group-mismatch, end-not-its-half, end-no-half, end-half-removed, end-bad-state, transaction-type-without-half, "
                                "send-back-unconsumable, batch-messages, header-size, tag-expression).",
                                ["reason"], registry=r)
         self.offset_moves_deferred = Counter(
@@ -235,6 +235,11 @@ class BrokerMetrics:
                                        "unanswered; sender-gone: not connected; sender-left: unregistered the "
                                        "group; sender-unknown: not known, e.g. a half stored just before a crash).",
                                        ["producer_group", "reason"], registry=r)
+        self.producers_silent = Counter("txmq_transaction_producers_silent",
+                                        "Times a producer connection left a transaction check unanswered (it came "
+                                        "due again) after answering the ones before: it is asked only when no other "
+                                        "producer of the group has room, until it answers. The log names its client "
+                                        "id and address.", ["producer_group"], registry=r)
         self.checks_skipped = Counter("txmq_transaction_checks_deferred",
                                       "Checks not sent because no producer of the group was connected.",
                                       ["producer_group"], registry=r)

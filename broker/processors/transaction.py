@@ -48,7 +48,7 @@ def end_transaction(ctx, conn, cmd):
     later = Answer(ctx, conn, cmd, partial(_end_reply, cmd, ctx))
     try:
         answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check,
-                            later=later)
+                            later=later, conn=conn)
     except BaseException:
         conn.release()                  # answered by the connection's error reply, not by ``later``
         raise
@@ -65,9 +65,9 @@ def end_transaction(ctx, conn, cmd):
 _LOGGED_FIELDS = ("producerGroup", "tranStateTableOffset", "commitLogOffset", "commitOrRollback",
                   "fromTransactionCheck", "msgId", "transactionId")
 _FIELD_CHARS = 256
-# Refusals any client can repeat at will, each counted (txmq_requests_refused_total end-no-half, end-not-its-half,
-# end-bad-state; txmq_conflicting_decisions_total): logged at most every 10 s each, not a line (a disk write) a
-# request. One client sending oneway ENDs of a made-up commitOrRollback, or a rollback of a committed half again
+# Refusals any client can repeat at will, each counted (txmq_requests_refused_total end-no-half, end-half-removed,
+# end-not-its-half, end-bad-state; txmq_conflicting_decisions_total): logged at most every 10 s each, not a line (a
+# disk write) a request. One client sending oneway ENDs of a made-up commitOrRollback, or a rollback of a committed half again
 # and again, wrote a WARNING of ~400 bytes each: 2,000 ENDs, 2,000 lines.
 _QUEUE_FILE_FAILED = "create mapped file failed"     # TransactionService._decision_begin's refusal (EMFILE, ...)
 _BAD_STATE = "commitOrRollback="

@@ -85,6 +85,8 @@ class DecisionError(Exception):
 
 # Dead-lettered transactions committed late, past the ERROR lines a minute, kept to be named at its end
 _UNSAID_MAX = 2000
+# (group, client id) keys of silent producers whose WARNING is held back for the minute (TransactionService._say_silent)
+_SILENT_KEYS_MAX = 10_000
 
 
 class TransactionService:
@@ -123,6 +125,11 @@ class TransactionService:
         self._rr = 0
         # COMMITs of dead-lettered transactions said: each once a minute, 20 a minute in all (a client may repeat them)
         self._dead_commit_said = EveryKey(60, total=20)
+        # Silent producers named: each (group, client id) once a minute, by the broker's clock. A slow producer goes
+        # silent and back at each late answer: once a check pass under a stream of its transactions, each a line.
+        # The times not said are counted by key (at most _SILENT_KEYS_MAX keys) and given in its next line.
+        self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
+        self._silent_unsaid: dict[str, int] = {}
         # ... and those past the 20, named together once the minute is over (say_unsaid_dead_commits): half offset
         # -> group, at most _UNSAID_MAX (the rest counted), each named once
         self._dead_commits_unsaid: dict[int, str] = {}
@@ -132,6 +139,9 @@ class TransactionService:
         self._slice_bytes: dict = {}
         self._slice_full: dict[str, frozenset] = {}     # group -> its producers' connections, all at their cap
         self._slice_gone: set[str] = set()                # groups no producer of which is here
+        # group -> its live producers, listed once a slice (nothing registers or closes within one): listed again for
+        # each due transaction, 1,000 producers and 5,000 due transactions held the event loop ~1 s a slice
+        self._slice_channels: dict[str, list] = {}
         self._slice_short: set[str] = set()               # groups parked for this slice's check bytes alone
         self._slice_released = 0                          # core.released when _slice_full was last valid
         self._unnamed: dict = {}            # conn -> _Unnamed: halves sent before a heartbeat named it
@@ -523,7 +533,8 @@ class TransactionService:
         fut.add_done_callback(made)
 
     # ------------------------------------------------------------ decisions
-    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None):
+    def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None,
+            conn=None):
         """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it; or, when
         ``later`` (an Answer of (code, remark) results) is given and the decision is written at once, None:
         the store's writer hands ``later`` the answer."""
@@ -533,7 +544,7 @@ class TransactionService:
             metrics.child(metrics.check_answers, group, op).inc()
         origin = Origin.CHECK if from_check else Origin.PRODUCER
         held = tx is not None and tx.check_channel is not None
-        action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset)
+        action = self.core.end(half_offset, op, origin=origin, group=group, queue_offset=table_offset, channel=conn)
         # An answer that freed a check slot: the parked may go now. Only such a one: a pass reads the whole pending
         # index (the progress floor), and an "answer" repeated for a transaction nobody was asked about (or another
         # group's) woke one each, cutting END throughput 8x while anything was parked. Nor one of a group with nothing
@@ -564,8 +575,11 @@ class TransactionService:
         if reply.event == "no-half":
             # No half stored at the offset it names (a normal message's, an op record's, past the log's end, or a
             # half retention removed): a stock client's oneway END is never answered, so the decision it carried
-            # was lost with only a log line; counted, a producer ending transactions it cannot have is seen.
-            metrics.refused.labels("end-no-half").inc()
+            # was lost with only a log line; counted, a producer ending transactions it cannot have is seen. One
+            # below the log's first offset is counted apart: retention removed its half (a producer deciding very
+            # late, after the dead letter), not an END naming something that was never a half.
+            removed = half_offset is not None and 0 <= half_offset < self.ctx.store.min_physical_offset
+            metrics.refused.labels("end-half-removed" if removed else "end-no-half").inc()
             return
         if reply.event == "commit-after-dead":
             self._commit_after_dead(reply, group, half_offset)
@@ -823,7 +837,9 @@ class TransactionService:
                 return BUSY if full is not None else None
             if full is not None and owner in full:
                 return BUSY             # its sender too is one of those connections, none of which has a slot
-        channels = self.ctx.clients.producer_channels(tx.group)
+        channels = self._slice_channels.get(tx.group)
+        if channels is None:
+            channels = self._slice_channels[tx.group] = self.ctx.clients.producer_channels(tx.group)
         owner, why = self._sender(tx, channels)
         if owner is None and not channels:
             self._slice_gone.add(tx.group)
@@ -839,11 +855,16 @@ class TransactionService:
             why = "sender-unanswered"
         if not channels:
             return None                 # its sender has no room and no other is registered: after an interval
-        for _ in range(len(channels)):
-            self._rr += 1
-            conn = channels[self._rr % len(channels)].conn
-            if self._has_room(conn, tx.group, size):
-                return self._take(tx, conn, size, "" if conn is owner else why)
+        # Producers that answer first, in turn; one that left its last checks unanswered (hung, its connection
+        # open) only when none of them has room: asked in turn with the others, each check it took waited a
+        # (doubled) interval before another producer was asked.
+        silent = self.core.unanswered_checks
+        for hushed in (False, True):
+            for _ in range(len(channels)):
+                self._rr += 1
+                conn = channels[self._rr % len(channels)].conn
+                if bool(silent(conn, tx.group)) is hushed and self._has_room(conn, tx.group, size):
+                    return self._take(tx, conn, size, "" if conn is owner else why)
         if not self._full(tx.group, channels):
             self._slice_short.add(tx.group)
         return BUSY
@@ -975,10 +996,13 @@ class TransactionService:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
         self._slice_full = {}       # answers may have come back by then too, and producers joined
         self._slice_gone = set()
+        self._slice_channels = {}
         self._slice_short = set()
         actions, deferred = self.core.due(now, self._channel_for, room_for, limit=self.CHECK_SLICE)
         for group in self._slice_short:     # the next slice's bytes are its room: offered it at the next pass
             self.core.room_changed(group)
+        if self.core.newly_silent:
+            self._say_silent()
         if deferred:        # (most slices defer nothing: no Counter built for them, one a transaction at one in flight)
             metrics = self.ctx.metrics
             for group, n in collections.Counter(tx.group for tx in deferred).items():
@@ -1118,6 +1142,34 @@ class TransactionService:
         silence (ClientRegistry.on_producer_left: a set) and stays open: the groups' checks it holds are asked
         again of another producer at once, as a closed connection's (core.producer_left)."""
         self._checks_lost(self.core.producer_left(conn, groups, self.ctx.monotonic()))
+
+    def _say_silent(self) -> None:
+        """Name the producers that left a check unanswered (hung listener, stuck local transaction) since they last
+        answered one: they are asked only when no other producer of the group has room, so nothing else would say
+        one is stuck. Once a producer, until it answers again (or reconnects)."""
+        silent, self.core.newly_silent = self.core.newly_silent, []
+        metrics = self.ctx.metrics
+        for conn, group in silent:
+            if self.core.unanswered_checks(conn, group) == 0:
+                continue                # answered (or gone) since
+            # (the heartbeat's name of the connection: the group's producers looked through for each, 1,000 hung at
+            # once held the event loop ~0.1 s a check slice)
+            client_id = getattr(conn, "attributes", {}).get("client_id") or "?"
+            host, port = getattr(conn, "peer", ("?", 0))[:2]
+            metrics.child(metrics.producers_silent, group).inc()
+            key = f"{group}\0{client_id}"
+            unsaid = self._silent_unsaid
+            if not self._silent_said.due(key):
+                if key in unsaid or len(unsaid) < _SILENT_KEYS_MAX:
+                    unsaid[key] = unsaid.get(key, 0) + 1
+                continue
+            more = unsaid.pop(key, 0)
+            log.warning("producer %s at %s:%s of group %s left a transaction check unanswered%s: it is asked only "
+                        "when no other producer of the group has room, until it answers one. Look at that instance's "
+                        "transaction listener (hung or slower than the check interval checkLocalTransaction, thread "
+                        "pool full).", client_id, host, port, group,
+                        f" ({more} more times since it was last named, a minute ago or more: it answers late)"
+                        if more else "")
 
     def _checks_lost(self, lost: list[Tx]) -> None:
         if not lost:

@@ -490,3 +490,102 @@ async def test_a_stock_admins_resume_of_a_dead_letter_keeps_its_sender_with_the_
         resumed = await request(b.broker, RequestCode.RESUME_CHECK_HALF_MESSAGE, {"msgId": dead[0].offset_msg_id})
         assert resumed.code == ResponseCode.SUCCESS, resumed.remark
     await _asked_of_its_sender_before_its_first_heartbeat(b, "C0A80001000012345679", resume)
+
+
+@bounded(90)
+async def test_producers_that_leave_checks_unanswered_are_asked_only_when_no_other_has_room(broker_factory):
+    """Three of a group's four producers hung with their connections open (never answering a check): round-robin
+    asked them as often as the one that answers, each check they took waiting a (doubled) interval before
+    another producer was asked; 20 transactions took ~60 checks of the hung ones (25 of 50 hung: the last
+    decided after 46 s). A producer that left a check unanswered is now passed over while another has room:
+    past the first round, a hung one takes a check only before its own first unanswered one comes due."""
+    n = 20
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1500",
+                       "--transaction-check-max", "1000")
+    changed = asyncio.Event()
+    hung = [Checked(changed) for _ in range(3)]
+    conns = [await _raw(b, handler, f"127.0.0.1@hung-{i}") for i, handler in enumerate(hung)]
+    good = Listener(changed=changed)
+    try:
+        async with _producer(b, "good", good):
+            sender = await _producer(b, "sender", Listener()).start()
+            for i in range(n):
+                await sender.send_in_transaction(TOPIC, b"order %d" % i)
+            await _die(sender)                      # its transactions are asked of the group's other producers
+            while len(set(good.asked)) < n:
+                changed.clear()
+                await changed.wait()
+            assert sorted(set(good.asked)) == sorted(b"order %d" % i for i in range(n))
+            asked_hung = sum(len(h.asked) for h in hung)
+            # the first round: 3 of every 4 to a hung producer; then each at most one more before it is known silent
+            assert asked_hung <= n + len(hung), asked_hung
+            assert await _metric(b, "txmq_transaction_producers_silent_total") == len(hung)
+            said = [line for line in b.log().splitlines() if "left a transaction check unanswered" in line]
+            assert sorted(line.split()[line.split().index("producer") + 1] for line in said) == \
+                [f"127.0.0.1@hung-{i}" for i in range(3)], said
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+class Answering(Checked):
+    """A raw producer connection that answers its checks UNKNOW, oneway with fromTransactionCheck as a stock Java
+    producer does: at once, or (``late``) only when ``answer_held`` is called."""
+
+    def __init__(self, changed: asyncio.Event, late: bool = False):
+        super().__init__(changed)
+        self.late = late
+        self.held: list[tuple[object, dict]] = []
+
+    def __call__(self, conn, cmd):
+        if cmd.code == RequestCode.CHECK_TRANSACTION_STATE:
+            self.held.append((conn, dict(cmd.ext_fields)))
+            if not self.late:
+                self.answer_held()
+        return super().__call__(conn, cmd)
+
+    def answer_held(self) -> None:
+        for conn, fields in self.held:
+            conn.oneway(RemotingCommand.request(RequestCode.END_TRANSACTION, {
+                "producerGroup": GROUP, "tranStateTableOffset": fields["tranStateTableOffset"],
+                "commitLogOffset": fields["commitLogOffset"], "commitOrRollback": "0",
+                "fromTransactionCheck": "true", "msgId": fields["msgId"],
+                "transactionId": fields.get("transactionId", "")}))
+        self.held.clear()
+
+
+@bounded(90)
+async def test_a_slow_producer_that_answers_its_checks_late_is_asked_in_turn_again(broker_factory):
+    """A producer that answered its checks after they came due again (slow, not hung): its late answers came while
+    the transactions' checks were with another producer, and the core cleared that one's silence instead of the
+    slow one's: the slow producer, answering, stayed passed over for good (and was never named silent again)."""
+    n = 4
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1500",
+                       "--transaction-check-max", "1000")
+    changed = asyncio.Event()
+    slow = Answering(changed, late=True)
+    conns = [await _raw(b, slow, "127.0.0.1@slow")]
+    try:
+        sender = await _producer(b, "sender", Listener()).start()
+        for i in range(n):
+            await sender.send_in_transaction(TOPIC, b"order %d" % i)
+        await _die(sender)                          # its transactions are asked of the slow producer alone
+        while len(slow.asked) < n:
+            changed.clear()
+            await changed.wait()
+        good = Answering(changed)
+        conns.append(await _raw(b, good, "127.0.0.1@good"))
+        while len(good.asked) < n:                  # due again unanswered: asked of the producer that answers
+            changed.clear()
+            await changed.wait()
+        assert await _metric(b, "txmq_transaction_producers_silent_total") == 1
+        slow.late = False
+        slow.answer_held()                          # late, but answered: it is asked in turn again
+        before, rounds = len(slow.asked), len(good.asked) + 4 * n
+        while len(slow.asked) == before and len(good.asked) < rounds:
+            changed.clear()
+            await changed.wait()
+        assert len(slow.asked) > before, (len(good.asked), len(slow.asked))
+    finally:
+        for conn in conns:
+            conn.close()

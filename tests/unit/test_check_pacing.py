@@ -231,7 +231,7 @@ async def test_parked_transactions_are_deferred_once_their_group_has_no_producer
     they were never deferred: no txmq_transaction_checks_deferred (the "nobody can answer" alert stayed
     silent) and off the schedule for good. They are deferred as any due transaction with no producer, and
     checked once one comes back."""
-    ctx, clock, txs = await storm(tmp_path, 5)
+    ctx, clock, txs = await storm(tmp_path, 5, transaction_check_max=1000)
     tx, metrics = ctx.tx, ctx.metrics
     stuck = Producer()
     stuck.writing_paused = True
@@ -259,7 +259,7 @@ async def test_a_closed_connection_offers_room_to_its_groups_at_the_next_pass(tm
     """A pass offers room to the groups whose room may have changed, not to every group with parked checks. The
     connection of a group's only producer, not reading (no check slot of it held), closes: the group's parked ones
     are deferred at the next pass, not once every group is offered room again (core._OFFER_ALL_MS)."""
-    ctx, clock, txs = await storm(tmp_path, 5)
+    ctx, clock, txs = await storm(tmp_path, 5, transaction_check_max=1000)
     tx, metrics = ctx.tx, ctx.metrics
     stuck = Producer()
     stuck.writing_paused = True
@@ -576,7 +576,7 @@ async def test_every_group_is_offered_room_once_a_second_also_within_a_long_pass
     """Parked checks were offered room in a pass's first slice alone. A pass over another group's backlog lasts up
     to a check interval (slices while something is due): what only the once-a-second offer to every group gives
     (a producer reading again) waited for the whole pass, not a second. The clock moves 400 ms a slice here."""
-    ctx, clock, txs = await storm(tmp_path, 5)
+    ctx, clock, txs = await storm(tmp_path, 5, transaction_check_max=1000)
     tx = ctx.tx
     tx.core.policy = dataclasses.replace(tx.core.policy, check_interval_ms=10_000)     # a pass may last 10 s
     tx.CHECK_SLICE = 2
@@ -601,5 +601,64 @@ async def test_every_group_is_offered_room_once_a_second_also_within_a_long_pass
         await tx.run_due(clock.now)
         assert len(slices) >= 4                 # one pass, past a second long
         assert len(stuck.checks) == 5 and tx.core.parked() == 0
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_producer_that_answers_late_over_and_over_is_named_once_a_minute_and_counted_each_time(
+        tmp_path, caplog):
+    """A slow producer (each check answered after it came due again) goes silent and back at every answer: each
+    time was a WARNING, one a check pass under a stream of transactions (a simulation of a slow sender: 1,926
+    lines in 200 check intervals). Counted each time; named once a minute."""
+    ctx, clock, txs = await storm(tmp_path, 5, transaction_check_max=1000)
+    tx = ctx.tx
+    slow = Producer("SLOW")
+    ctx.clients.add_producer("PG", slow, "SLOW")
+    rounds = 10                                     # 10 episodes in 20 s: one minute's line
+    try:
+        caplog.set_level("WARNING", logger="txmq.transaction")
+        for _ in range(rounds):
+            clock.now = max(t.next_check for t in txs) + 1
+            await tx.run_due(clock.now)             # asked
+            asked = [t for t in txs if t.check_channel is slow]
+            assert len(asked) == len(txs)
+            clock.now = max(t.next_check for t in txs) + 1
+            await tx.run_due(clock.now)             # due again unanswered: silent
+            assert tx.core.unanswered_checks(slow, "PG")
+            for t in asked:                         # answered late: no longer silent
+                tx.end(t.half_offset, UNKNOWN, group="PG", table_offset=t.queue_offset, from_check=True, conn=slow)
+            assert not tx.core.unanswered_checks(slow, "PG")
+        metrics = ctx.metrics
+        assert metrics.child(metrics.producers_silent, "PG")._value.get() == rounds
+        said = [r for r in caplog.records if "left a transaction check unanswered" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        clock.now += 61_000
+        await tx.run_due(clock.now)
+        clock.now = max(t.next_check for t in txs) + 1
+        await tx.run_due(clock.now)                 # a minute later: named again, with the times it went silent
+        said = [r.getMessage() for r in caplog.records if "left a transaction check unanswered" in r.getMessage()]
+        assert len(said) == 2 and "9 more times" in said[1], said
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_a_check_slice_lists_a_groups_producers_once_not_once_a_transaction(tmp_path):
+    """Each due transaction listed its group's producers again (a list of the live ones, built afresh): 1,000
+    producers and 5,000 due transactions held the event loop ~1 s a slice of 250, on main too. Nothing registers
+    or closes within a slice: listed once a slice."""
+    ctx, clock, txs = await storm(tmp_path, 200, transaction_check_in_flight_max=1000)
+    tx = ctx.tx
+    producers = [Producer(f"P{i}") for i in range(50)]
+    for p in producers:
+        ctx.clients.add_producer("PG", p, p.attributes["client_id"])
+    listed = []
+    listing = ctx.clients.producer_channels
+    ctx.clients.producer_channels = lambda group: listed.append(group) or listing(group)
+    try:
+        await tx.run_due(clock.now)
+        assert sum(len(p.checks) for p in producers) == len(txs)
+        assert len(listed) <= 3, len(listed)        # a slice's, and the room offered to the parked
     finally:
         await ctx.store._store.close()

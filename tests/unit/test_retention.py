@@ -641,7 +641,8 @@ async def test_a_young_undecided_half_keeps_its_expired_segment_visibly_until_di
 @bounded(30)
 async def test_an_end_for_a_half_whose_segment_retention_removed_is_refused_and_counted(world):
     """Its decision went with its segment: a very late END (a stock client's oneway one, never answered) gets
-    "Find prepared transaction message failed", never a delivery, and is counted under end-no-half; before the
+    "Find prepared transaction message failed", never a delivery, and is counted under end-half-removed (was
+    end-no-half, which an END naming an offset no half was stored at is counted under); before the
     segment goes, the expired transaction refuses a COMMIT as the first decision (DEAD) wins, counted and said with
     the resume that would deliver it."""
     ctx, clock, half, old, fresh = world
@@ -655,12 +656,16 @@ async def test_an_end_for_a_half_whose_segment_retention_removed_is_refused_and_
     assert ctx.metrics.child(ctx.metrics.commits_after_dead, "PG")._value.get() == 1   # its producer committed
     await Retention(ctx).apply_plan(plan)
     assert ctx.store.get_record(half.half_offset) is None
-    refused = ctx.metrics.refused.labels("end-no-half")
+    removed, no_half = ctx.metrics.refused.labels("end-half-removed"), ctx.metrics.refused.labels("end-no-half")
     for state in ("COMMIT", "ROLLBACK"):
         code, remark = ctx.tx.end(half.half_offset, state, group="PG", table_offset=half.queue_offset,
                                   from_check=True)
         assert (code, remark) == (1, "Find prepared transaction message failed")
-    assert refused._value.get() == 2
+    # below the log's first offset: told apart from an END naming an offset no half was ever stored at
+    assert (removed._value.get(), no_half._value.get()) == (2, 0)
+    past_end = ctx.store.max_physical_offset + 1000
+    assert ctx.tx.end(past_end, "COMMIT", group="PG", table_offset=0, from_check=False)[0] == 1
+    assert (removed._value.get(), no_half._value.get()) == (2, 1)
     assert ctx.store.get_messages("T", 0, 0, 8, 1 << 20).buffers == []      # never committed
 
 

@@ -767,3 +767,37 @@ def test_between_keeps_the_floor_and_its_answers_as_halves_come_and_go_over_many
                 off for off in core.pending if lo <= off < hi)
         assert core.lowest_queue_offset() == min((tx.queue_offset for tx in core.pending.values()), default=None)
         assert set(core._by_queue) <= set(core._buckets)
+
+
+def test_a_channel_that_left_a_check_unanswered_is_silent_until_it_answers_or_leaves():
+    """The service asks a silent producer only when no other has room: the core says which (channel, group) left a
+    check unanswered since its last answer, once each as newly silent, and forgets it on an answer or a close."""
+    s = Shell()
+    s.half(1)
+    s.half(2, group="PG_other")
+    s.tick(IMMUNITY)
+    assert s.core.unanswered_checks("conn", "PG") == 0 and s.core.newly_silent == []
+    s.tick(INTERVAL)                                    # both due again, unanswered
+    assert s.core.unanswered_checks("conn", "PG") == 1 and s.core.unanswered_checks("conn", "PG_other") == 1
+    assert sorted(s.core.newly_silent) == [("conn", "PG"), ("conn", "PG_other")]
+    s.core.newly_silent.clear()
+    s.tick(2 * INTERVAL)
+    assert s.core.unanswered_checks("conn", "PG") == 2 and s.core.newly_silent == []     # said once
+    s.end(1, UNKNOWN, origin=Origin.CHECK)              # an answer clears its group's, not the other's
+    assert s.core.unanswered_checks("conn", "PG") == 0 and s.core.unanswered_checks("conn", "PG_other") == 2
+    s.core.channel_closed("conn", s.now)
+    assert s.core.silent == {}
+
+
+def test_a_late_answer_clears_the_silence_of_the_channel_it_came_on_not_of_the_one_asked_since():
+    """A slow producer answers a check after it came due again and went to another: the answer clears the slow one's
+    silence (it answers), not the other's (which has not)."""
+    s = Shell()
+    s.half(1)
+    s.tick(IMMUNITY)                                    # asked of "conn"
+    s._channel_for = lambda tx: "other"
+    s.tick(INTERVAL)                                    # due again unanswered: asked of "other"
+    s.tick(2 * INTERVAL)                                # and again
+    assert (s.core.unanswered_checks("conn", "PG"), s.core.unanswered_checks("other", "PG")) == (1, 1)
+    s.core.end(1, UNKNOWN, origin=Origin.CHECK, group="PG", queue_offset=None, channel="conn")     # late
+    assert (s.core.unanswered_checks("conn", "PG"), s.core.unanswered_checks("other", "PG")) == (0, 1)
