@@ -291,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             summary, stopped = asyncio.run(_apply_plan(args.broker, plan, args.timeout, credentials, args.slice))
-        except (BrokerError, OSError, ValueError) as exc:        # (no connection; the file changed under us)
+        except (BrokerError, OSError) as exc:        # (no connection)
             print(f"broker {args.broker}: {exc}", file=sys.stderr)
+            return 1
+        except ValueError as exc:       # (a big plan read again as it is sent: written over in place meanwhile)
+            print(f"plan {args.plan} changed while it was sent, stopped: {exc}; the parts sent were applied, "
+                  "applying the plan again is safe", file=sys.stderr)
             return 1
         finally:
             if isinstance(plan, PlanFile):
