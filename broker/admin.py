@@ -36,7 +36,7 @@ from protocol.logline import escape
 from protocol.signature import Credentials
 
 from . import admin_ops
-from .plan_stream import PlanFile
+from .plan_stream import PlanChanged, PlanFile
 from .processors.transaction import LISTED_MAX
 from .retention import PlanRefused, check_plan_lists
 
@@ -252,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    port = args.broker.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        print(f"--broker {args.broker}: give the broker's address as host:port (a port 1-65535)", file=sys.stderr)
+        return 2
     credentials = None
     if args.access_key or args.secret_key:
         try:
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         except (BrokerError, OSError) as exc:        # (no connection)
             print(f"broker {args.broker}: {exc}", file=sys.stderr)
             return 1
-        except ValueError as exc:       # (a big plan read again as it is sent: written over in place meanwhile)
+        except PlanChanged as exc:      # (a big plan read again as it is sent: written over in place meanwhile)
             print(f"plan {args.plan} changed while it was sent, stopped: {exc}; the parts sent were applied, "
                   "applying the plan again is safe", file=sys.stderr)
             return 1

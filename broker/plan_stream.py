@@ -9,11 +9,13 @@ the file open is the one checked.
 from __future__ import annotations
 
 import json
+import os
 
 CHUNK = 64 * 1024         # read at a time (a value longer than it: the buffer grows to hold it)
 
 _decoder = json.JSONDecoder()
 _WS = " \t\n\r"
+_LISTED = object()      # (scan: the value of a "halves" that is a list, its members counted, not kept)
 
 
 class _Reader:
@@ -56,7 +58,8 @@ class _Reader:
                     raise ValueError(f"{exc.msg} at character {self.done + exc.pos}") from None
                 self._fill()
                 continue
-            if end == len(self.buf) and not self.eof:   # (a number may go on in the next chunk)
+            if len(self.buf) - end < 3 and not self.eof:
+                # A number may go on in the next chunk: "1." or "1e+" read as 1, the rest left as not JSON.
                 self._fill()
                 continue
             self.pos = end
@@ -94,8 +97,18 @@ class _Reader:
                 return
 
 
+class PlanChanged(ValueError):
+    """The plan file read again is not the one first read: written over in place (not renamed over) meanwhile."""
+
+
+def _drain(items) -> None:
+    for _ in items:
+        pass
+
+
 class PlanFile:
-    """A plan file: ``scan()`` reads it once, the halves replaced by their count; ``halves()`` reads them again."""
+    """A plan file: ``scan()`` reads it once, the halves replaced by their count; ``halves()`` reads them again.
+    Of a key given twice the last counts, as json.load's (the halves of an earlier "halves" are read, not sent)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -104,35 +117,63 @@ class PlanFile:
     def close(self) -> None:
         self.fh.close()
 
+    def _stat(self) -> tuple:
+        st = os.fstat(self.fh.fileno())
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
     def scan(self) -> dict:
         """The plan's top-level object, its "halves" (when a list) left out: ``self.count`` of them, each an object
         or ``self.not_object`` set (the admin refuses the plan as the broker would). Raises ValueError."""
-        self.count, self.not_object, self.listed = 0, False, False
+        self.count, self.not_object, self.listed, self._nth = 0, False, False, 0
+        lists = 0
 
         def on_list(key, items):
+            nonlocal lists
             if key != "halves":
                 return list(items)
-            self.listed = True
+            lists += 1
+            count, not_object = 0, False
             for half in items:
-                self.count += 1
-                self.not_object = self.not_object or not isinstance(half, dict)
-            return None
+                count += 1
+                not_object = not_object or not isinstance(half, dict)
+            self.count, self.not_object, self._nth = count, not_object, lists
+            return _LISTED
 
         self.fh.seek(0)
+        self.stat = self._stat()
         self.head = dict(_Reader(self.fh).members(on_list))
+        self.listed = self.head.get("halves") is _LISTED
+        if self.listed:
+            self.head["halves"] = None
         return self.head
 
     def halves(self):
-        """The plan's halves again, one at a time, in order."""
+        """The plan's halves again, one at a time, in order. Raises PlanChanged when the file is not the one
+        scanned (its size, times or halves' count another, or no longer JSON)."""
+        if self._stat() != self.stat:
+            raise PlanChanged("its size or modification time is not what it was when first read")
         self.fh.seek(0)
-        found = []
+        found, lists, count = [], 0, 0
 
         def on_list(key, items):
+            nonlocal lists
             if key == "halves":
-                found.append(items)
-                return None
-            return list(items)
+                lists += 1
+                if lists == self._nth:
+                    found.append(items)
+                    return None
+            _drain(items)
+            return None
 
-        for key, _ in _Reader(self.fh).members(on_list):
-            if found:
-                yield from found.pop()
+        try:
+            for _ in _Reader(self.fh).members(on_list):
+                while found:
+                    for half in found.pop():
+                        count += 1
+                        yield half
+        except PlanChanged:
+            raise
+        except ValueError as exc:
+            raise PlanChanged(f"no longer JSON ({exc})") from None
+        if count != self.count or self._stat() != self.stat:
+            raise PlanChanged(f"{count} halves read again of {self.count}, or its size or modification time changed")

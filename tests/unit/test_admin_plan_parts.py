@@ -155,3 +155,129 @@ def test_a_big_plan_that_is_not_one_is_refused_before_any_part_is_sent(tmp_path,
         path.write_text(body if isinstance(body, str) else json.dumps(body))
         code, seen, _ = _apply_counting(monkeypatch, path)
         assert code == 2 and seen["offsets"] == [] and "parts" not in seen, name
+
+
+def _parts_both_ways(monkeypatch, tmp_path, text: str, chunks) -> dict:
+    """The parts of the plan ``text`` read as a big plan (value by value, ``chunks`` characters a read) and loaded
+    whole (json.load): {chunk: (what json.load gave, what the reader gave)} where they differ."""
+    from broker import admin, plan_stream
+    from broker.retention import PlanRefused
+
+    def outcome(read):
+        try:
+            plan = read()
+            return list(admin.plan_parts(plan, 3))
+        except PlanRefused as exc:
+            return ("refused", str(exc))
+        except ValueError:
+            return ("not JSON",)
+
+    def whole():
+        plan = json.loads(text.encode())          # (as the admin loads a small plan: bytes, a BOM skipped)
+        if isinstance(plan, dict):
+            admin.check_plan_lists(plan)
+        return plan
+
+    path = tmp_path / "plan.json"
+    path.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(admin, "PART_BYTES", 200)            # (the file is over it: read value by value)
+    assert path.stat().st_size > 200
+    expected, differ = outcome(whole), {}
+    opened = []
+
+    def streamed():
+        opened.append(admin._read_plan(str(path)))
+        return opened[-1]
+
+    for chunk in chunks:
+        monkeypatch.setattr(plan_stream, "CHUNK", chunk)
+        got = outcome(streamed)
+        while opened:
+            if isinstance(opened[-1], plan_stream.PlanFile):
+                opened[-1].close()
+            opened.pop()
+        if got != expected:
+            differ[chunk] = (expected, got)
+    return differ
+
+
+def test_a_big_plan_is_parted_as_json_load_reads_it_whatever_the_reads_cut_it(tmp_path, monkeypatch):
+    """A value cut by a read (a number after its '.' or 'e', a string in its escapes) is the value json.load reads;
+    of keys given twice the last counts (json.load's); a plan as ops.spark expiry writes it gives the same parts."""
+    import random
+    import tempfile
+
+    from ops.spark.plan import write_plan
+
+    rnd = random.Random(7)
+    halves = [{"commit_log_offset": i * 317, "queue_offset": i, "producer_group": "pg\\\"é😀"[: i % 6],
+               "topic": "orders", "store_timestamp": 1_700_000_000_000 + i,
+               "uniq_key": None if i % 5 == 0 else "k\u2028\"\\/\ud7ff😀%d" % i} for i in range(12)]
+    with tempfile.TemporaryDirectory() as d:
+        write_plan({**HEADER, "retention_ms": 1000, "now_ms": 1_800_000_000_000, "halves": halves,
+                    "segments": [{"name": "0" * 20, "start_offset": 0, "end_offset": 99, "records": 9,
+                                  "first_store_timestamp": 1, "last_store_timestamp": 2}],
+                    "report": {"segments": 1, "unconsumed": []}}, f"{d}/plan.json")
+        with open(f"{d}/plan.json", encoding="utf-8") as fh:
+            written = fh.read()
+    h = json.dumps(halves)
+    plans = {
+        "as ops.spark expiry writes it": written,
+        "numbers with fractions and exponents": '{"version": 2, "store_id": "s", "rate": 12.5e2, "x": [1.25, 3E+7, '
+                                                '-0.5e-3], "halves": %s, "now_ms": 17.75, "segments": []}' % h,
+        "white space everywhere, halves last": '\ufeff \n{\r\n"segments"\t:\n[ ] ,"store_id" : "s" , "halves" :\n[ '
+                                               + ' ,\n '.join(json.dumps(x) for x in halves) + ' ]\n}\n\t',
+        "halves twice": '{"store_id": "s", "halves": [{"commit_log_offset": -1}, 7], "halves": %s, "segments": []}' % h,
+        "halves twice, the last not a list": '{"store_id": "s", "halves": %s, "halves": null, "segments": []}' % h,
+        "halves twice, the first not a list": '{"store_id": "s", "halves": 3, "halves": %s, "segments": []}' % h,
+        "halves twice, the last not objects": '{"store_id": "s", "halves": %s, "halves": [1, 2, 3, 4]}' % h,
+    }
+    for name, text in plans.items():
+        chunks = sorted({1, 2, 3, 5, 64 * 1024, *(rnd.randint(1, 200) for _ in range(40))})
+        assert _parts_both_ways(monkeypatch, tmp_path, text, chunks) == {}, name
+
+
+def test_a_big_plan_written_over_in_place_while_it_is_sent_stops_it(tmp_path, monkeypatch, capsys):
+    """A plan written over in place (not renamed over) by one as long, other halves at other offsets, after its
+    first part was sent: its next parts were read from the new file (it is JSON all through), sent, exit 0."""
+    import asyncio
+
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    plan = _big_plan(5000)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    other = json.dumps({**plan, "halves": [{**h, "commit_log_offset": h["commit_log_offset"] + 1}
+                                           for h in plan["halves"]]})
+    assert len(other) == path.stat().st_size
+    sent = []
+
+    async def fake(addr, plan, timeout, credentials, halves_a_request):
+        for part in admin.plan_parts(plan, halves_a_request):
+            sent.extend(h["commit_log_offset"] for h in part["halves"])
+            if len(sent) == 1000:
+                with open(path, "r+") as fh:        # (the same file, its bytes written over)
+                    fh.write(other)
+        await asyncio.sleep(0)
+        return {"expired": [], "skipped": []}, None
+
+    monkeypatch.setattr(admin, "_apply_plan", fake)
+    code = admin.main(["apply-expiry", str(path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "changed while it was sent" in err and "applying the plan again is safe" in err, (code, err)
+    assert sent[:1000] == [h["commit_log_offset"] for h in plan["halves"][:1000]]
+
+
+def test_a_broker_address_without_a_port_is_said_so(tmp_path, capsys):
+    """`--broker 127.0.0.1:abc apply-expiry` said the plan "changed while it was sent ... the parts sent were
+    applied" (its int(port) ValueError taken for a plan read again); the other actions a traceback."""
+    from broker import admin
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(2)))
+    for addr in ("127.0.0.1:abc", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000"):
+        for argv in (["apply-expiry", str(path)], ["list"]):
+            assert admin.main(["--broker", addr, *argv]) == 2, (addr, argv)
+            err = capsys.readouterr().err
+            assert f"--broker {addr}: give the broker's address as host:port" in err and "changed" not in err, err
