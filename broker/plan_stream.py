@@ -15,6 +15,7 @@ CHUNK = 64 * 1024         # read at a time (a value longer than it: the buffer g
 
 _decoder = json.JSONDecoder()
 _WS = " \t\n\r"
+_CUT = 16               # characters from its end within which an error may be the buffer cutting a value
 _LISTED = object()      # (scan: the value of a "halves" that is a list, its members counted, not kept)
 
 
@@ -54,7 +55,9 @@ class _Reader:
             try:
                 val, end = _decoder.raw_decode(self.buf, self.pos)
             except json.JSONDecodeError as exc:
-                if self.eof:
+                # Read on only when the value may be cut by the buffer's end: an error elsewhere is in the file (a
+                # big plan wrong near its start was read whole into the buffer first, 2.7 times its size).
+                if self.eof or not (exc.pos >= len(self.buf) - _CUT or exc.msg.startswith("Unterminated string")):
                     raise ValueError(f"{exc.msg} at character {self.done + exc.pos}") from None
                 self._fill()
                 continue

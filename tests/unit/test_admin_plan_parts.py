@@ -281,3 +281,18 @@ def test_a_broker_address_without_a_port_is_said_so(tmp_path, capsys):
             assert admin.main(["--broker", addr, *argv]) == 2, (addr, argv)
             err = capsys.readouterr().err
             assert f"--broker {addr}: give the broker's address as host:port" in err and "changed" not in err, err
+
+
+def test_a_big_plan_wrong_near_its_start_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    """A JSON error was taken for a value cut by the read: the reader read on, to the end of the file, before it
+    said so (a 18 MB plan with ',,' in its second half: 50 MB; a 1.9 GB one of 10,000,000 halves, the OOM killer)."""
+    plan = _big_plan(40_000)
+    good = json.dumps(plan)
+    for name, text in {"a comma twice": good.replace('"queue_offset": 1,', '"queue_offset": 1,,', 1),
+                       "a line break in a string": good.replace('"pg-1"', '"pg\n-1"', 1),
+                       "a key not a string": good.replace('"queue_offset": 2,', 'queue_offset: 2,', 1)}.items():
+        path = tmp_path / "plan.json"
+        path.write_text(text)
+        code, seen, peak = _apply_counting(monkeypatch, path)
+        assert code == 2 and "parts" not in seen, name
+        assert peak < len(text) / 10, (name, peak, len(text))
