@@ -2,9 +2,10 @@
 
 ``json.load`` of a plan listing 1,000,000 halves (a 191 MB file) took 972 MB of the admin's memory, 10,000,000
 halves some 10 GB (the host's OOM killer, nothing applied). Here the file's top-level object is read value by value,
-the members of its "halves" list one at a time: a first pass checks them and counts the parts, a second (the same
-open file, read again from its start) hands them out a part at a time. A plan is written whole by one rename, so
-the file open is the one checked.
+the members of its "halves" list one at a time: a first pass checks them, then the admin reads them again from the
+same open file (from its start) to count the parts and once more to hand them out a part at a time. A plan is
+written whole by one rename, so the file open is the one checked; one written over in place meanwhile is
+PlanChanged. The values are those json.load gives, whatever the reads cut (of a key given twice, the last).
 """
 from __future__ import annotations
 
