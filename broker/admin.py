@@ -139,7 +139,11 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
     said = time.monotonic()
     try:
-        for n, part in enumerate(parts, 1):
+        for n, part in enumerate(_read_on(parts), 1):
+            if isinstance(part, PlanChanged):
+                return merged, (f"plan changed while it was sent, stopped: {part}; parts 1 to {n - 1} of {len(parts)} "
+                                "were applied (their halves' summary above), the others not sent; applying the plan "
+                                "again is safe, what was done is skipped")
             cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
             try:
                 resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
@@ -161,6 +165,14 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     finally:
         conn.close()
     return merged, None
+
+
+def _read_on(parts):
+    """``parts``, a big plan's PlanChanged (written over in place while its parts are read) the last of them."""
+    try:
+        yield from parts
+    except PlanChanged as exc:
+        yield exc
 
 
 def _undecided(skipped: list) -> int:
@@ -298,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         except (BrokerError, OSError) as exc:        # (no connection)
             print(f"broker {args.broker}: {exc}", file=sys.stderr)
             return 1
-        except PlanChanged as exc:      # (a big plan read again as it is sent: written over in place meanwhile)
-            print(f"plan {args.plan} changed while it was sent, stopped: {exc}; the parts sent were applied, "
-                  "applying the plan again is safe", file=sys.stderr)
+        except PlanChanged as exc:      # (a big plan read again to count its parts: written over in place meanwhile)
+            print(f"plan {args.plan} changed while it was read, not sent, nothing changed: {exc}; apply it again "
+                  "once it is written whole", file=sys.stderr)
             return 1
         finally:
             if isinstance(plan, PlanFile):

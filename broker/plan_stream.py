@@ -23,11 +23,13 @@ _LISTED = object()      # (scan: the value of a "halves" that is a list, its mem
 class _Reader:
     """JSON values read one at a time from a text file, the buffer holding about one value (and a chunk)."""
 
-    def __init__(self, fh):
-        self.fh, self.buf, self.pos, self.eof = fh, "", 0, False
+    def __init__(self, fh, check=None):
+        self.fh, self.buf, self.pos, self.eof, self.check = fh, "", 0, False, check
         self.done = 0           # characters before buf, for error positions
 
     def _fill(self) -> None:
+        if self.check is not None:
+            self.check()
         more = self.fh.read(max(CHUNK, len(self.buf) - self.pos))
         self.done += self.pos
         self.buf, self.pos = self.buf[self.pos:] + more, 0
@@ -153,9 +155,7 @@ class PlanFile:
 
     def halves(self):
         """The plan's halves again, one at a time, in order. Raises PlanChanged when the file is not the one
-        scanned (its size, times or halves' count another, or no longer JSON)."""
-        if self._stat() != self.stat:
-            raise PlanChanged("its size or modification time is not what it was when first read")
+        scanned (its size or times another, before any read, its halves' count another, or no longer JSON)."""
         self.fh.seek(0)
         found, lists, count = [], 0, 0
 
@@ -170,7 +170,7 @@ class PlanFile:
             return None
 
         try:
-            for _ in _Reader(self.fh).members(on_list):
+            for _ in _Reader(self.fh, self._same).members(on_list):
                 while found:
                     for half in found.pop():
                         count += 1
@@ -179,5 +179,11 @@ class PlanFile:
             raise
         except ValueError as exc:
             raise PlanChanged(f"no longer JSON ({exc})") from None
-        if count != self.count or self._stat() != self.stat:
-            raise PlanChanged(f"{count} halves read again of {self.count}, or its size or modification time changed")
+        self._same()
+        if count != self.count:
+            raise PlanChanged(f"{count} halves read again, {self.count} first")
+
+    def _same(self) -> None:
+        """(Before each read of the file again.)"""
+        if self._stat() != self.stat:
+            raise PlanChanged("its size or modification time is not what it was when first read")

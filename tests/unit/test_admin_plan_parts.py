@@ -237,38 +237,6 @@ def test_a_big_plan_is_parted_as_json_load_reads_it_whatever_the_reads_cut_it(tm
         assert _parts_both_ways(monkeypatch, tmp_path, text, chunks) == {}, name
 
 
-def test_a_big_plan_written_over_in_place_while_it_is_sent_stops_it(tmp_path, monkeypatch, capsys):
-    """A plan written over in place (not renamed over) by one as long, other halves at other offsets, after its
-    first part was sent: its next parts were read from the new file (it is JSON all through), sent, exit 0."""
-    import asyncio
-
-    from broker import admin
-
-    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
-    plan = _big_plan(5000)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
-    other = json.dumps({**plan, "halves": [{**h, "commit_log_offset": h["commit_log_offset"] + 1}
-                                           for h in plan["halves"]]})
-    assert len(other) == path.stat().st_size
-    sent = []
-
-    async def fake(addr, plan, timeout, credentials, halves_a_request):
-        for part in admin.plan_parts(plan, halves_a_request):
-            sent.extend(h["commit_log_offset"] for h in part["halves"])
-            if len(sent) == 1000:
-                with open(path, "r+") as fh:        # (the same file, its bytes written over)
-                    fh.write(other)
-        await asyncio.sleep(0)
-        return {"expired": [], "skipped": []}, None
-
-    monkeypatch.setattr(admin, "_apply_plan", fake)
-    code = admin.main(["apply-expiry", str(path)])
-    err = capsys.readouterr().err
-    assert code == 1 and "changed while it was sent" in err and "applying the plan again is safe" in err, (code, err)
-    assert sent[:1000] == [h["commit_log_offset"] for h in plan["halves"][:1000]]
-
-
 def test_a_broker_address_without_a_port_is_said_so(tmp_path, capsys):
     """`--broker 127.0.0.1:abc apply-expiry` said the plan "changed while it was sent ... the parts sent were
     applied" (its int(port) ValueError taken for a plan read again); the other actions a traceback."""
@@ -296,3 +264,73 @@ def test_a_big_plan_wrong_near_its_start_is_refused_without_reading_it_whole(tmp
         code, seen, peak = _apply_counting(monkeypatch, path)
         assert code == 2 and "parts" not in seen, name
         assert peak < len(text) / 10, (name, peak, len(text))
+
+
+def _sent_to_a_fake_broker(monkeypatch, capsys, path, on_part) -> tuple[int, list, str, str]:
+    """admin.main(apply-expiry path) against a connection answering each part with its halves expired, after
+    ``on_part(parts sent so far)``: (exit code, the parts sent, stdout, stderr)."""
+    import types
+
+    from broker import admin
+    from protocol.codes import ResponseCode
+
+    bodies: list = []
+
+    class Conn:
+        async def request(self, cmd, timeout):
+            part = json.loads(cmd.body_bytes())
+            bodies.append(part)
+            on_part(len(bodies))
+            reply = {"expired": [h["commit_log_offset"] for h in part["halves"]], "skipped": []}
+            return types.SimpleNamespace(code=ResponseCode.SUCCESS, remark="", body_bytes=lambda: json.dumps(reply))
+
+        def close(self):
+            pass
+
+    async def connect(host, port, sign=None):
+        return Conn()
+
+    monkeypatch.setattr(admin, "open_connection", connect)
+    code = admin.main(["apply-expiry", str(path)])
+    out, err = capsys.readouterr()
+    return code, bodies, out, err
+
+
+def test_a_big_plan_written_over_while_it_is_sent_stops_it_saying_what_was_done(tmp_path, monkeypatch, capsys):
+    """A plan written over in place (not renamed over) after its second part was sent. By one as long, other halves
+    at other offsets: its next parts were read from the new file (JSON all through) and sent, exit 0. Written on (a
+    byte appended): every part but the last sent, then "changed" said, not the halves the parts expired (dead
+    letters now, skipped by the next apply as already decided). Now the next read stops it, the summary said."""
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    plan = _big_plan(5000)
+    other = json.dumps({**plan, "halves": [{**h, "commit_log_offset": h["commit_log_offset"] + 1}
+                                           for h in plan["halves"]]})
+    for name, mode, text in (("written over", "r+", other), ("written on", "a", " ")):
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(plan))
+        assert len(other) == path.stat().st_size
+
+        def change(n):
+            if n == 2:
+                with open(path, mode) as fh:
+                    fh.write(text)
+
+        code, bodies, out, err = _sent_to_a_fake_broker(monkeypatch, capsys, path, change)
+        assert code == 1 and "changed while it was sent" in err and "applying the plan again is safe" in err, err
+        assert 2 <= len(bodies) <= 3 and "were applied" in err, (name, len(bodies), err)
+        sent = [h["commit_log_offset"] for p in bodies for h in p["halves"]]
+        assert json.loads(out)["expired"] == sent == [h["commit_log_offset"] for h in plan["halves"][:len(sent)]]
+
+
+def test_a_big_plan_sent_whole_to_a_broker_is_its_parts_in_order(tmp_path, monkeypatch, capsys):
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    plan = _big_plan(5000)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan, indent=1))
+    code, bodies, out, err = _sent_to_a_fake_broker(monkeypatch, capsys, path, lambda n: None)
+    assert code == 0 and bodies == admin.plan_parts(plan) and len(bodies) == 16, (code, len(bodies), err)
+    assert json.loads(out)["expired"] == [h["commit_log_offset"] for h in plan["halves"]]
