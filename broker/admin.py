@@ -141,9 +141,10 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     try:
         for n, part in enumerate(_read_on(parts), 1):
             if isinstance(part, PlanChanged):
-                return merged, (f"plan changed while it was sent, stopped: {part}; parts 1 to {n - 1} of {len(parts)} "
-                                "were applied (their halves' summary above), the others not sent; applying the plan "
-                                "again is safe, what was done is skipped")
+                done = (f"parts 1 to {n - 1} of {len(parts)} were applied (their halves' summary above), the others "
+                        "not sent" if n > 1 else "no part was sent")
+                return merged, (f"plan changed while it was sent, stopped: {part}; {done}; applying the plan again is "
+                                "safe, what was done is skipped")
             cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
             try:
                 resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
