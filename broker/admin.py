@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import os
 import sys
@@ -35,6 +36,7 @@ from protocol.logline import escape
 from protocol.signature import Credentials
 
 from . import admin_ops
+from .plan_stream import PlanChanged, PlanFile
 from .processors.transaction import LISTED_MAX
 from .retention import PlanRefused, check_plan_lists
 
@@ -74,23 +76,48 @@ def plan_parts(plan, halves_a_request: int = PLAN_SLICE) -> list:
     one of 15,000 outlasted the 10 s --timeout while the broker dead-lettered them one by one (exit 1, "no
     response", the broker applying it all the same, its summary lost). Each part is judged on its own: a listed
     half is dead-lettered once whatever part it is in, and the segments are judged after every half."""
+    if isinstance(plan, PlanFile):
+        return _FileParts(plan, halves_a_request)
     halves = plan.get("halves") if isinstance(plan, dict) else None
     if not isinstance(halves, list) or (len(halves) <= halves_a_request
                                         and len(json.dumps(plan).encode()) <= PART_BYTES):
         return [plan]
-    header = {k: v for k, v in plan.items() if k not in ("halves", "segments", "report")}
-    # Bounded in bytes too: a half carries its producer's uniq_key, group and topic (up to 32,767 bytes of
-    # properties, six JSON bytes a character not in ASCII), so 1,000 of them were up to 196 MB, never sent.
-    room = PART_BYTES - len(json.dumps({**header, "halves": [], "segments": []}).encode())
+    header, room = _part_header(plan)
     parts = [{**header, "halves": s, "segments": []} for s in _slices(halves, halves_a_request, room)]
     return parts + [{**header, "halves": [], "segments": plan.get("segments") or []}]
 
 
-def _slices(halves: list, count: int, room: int):
-    """``halves`` in order, ``count`` a slice, each slice's JSON within ``room`` bytes (a half over it alone).
-    A slice is measured whole (one encoding, ~0.5 s per 100,000 halves) and half by half only when it is over."""
-    for i in range(0, len(halves), count):
-        chunk = halves[i:i + count]
+def _part_header(plan: dict) -> tuple[dict, int]:
+    """What each part carries of the plan but its lists, and the bytes left in a part for its halves."""
+    header = {k: v for k, v in plan.items() if k not in ("halves", "segments", "report")}
+    # Bounded in bytes too: a half carries its producer's uniq_key, group and topic (up to 32,767 bytes of
+    # properties, six JSON bytes a character not in ASCII), so 1,000 of them were up to 196 MB, never sent.
+    return header, PART_BYTES - len(json.dumps({**header, "halves": [], "segments": []}).encode())
+
+
+class _FileParts:
+    """plan_parts of a plan read from its file (PlanFile): its halves sliced on a first read (the parts counted,
+    for the progress lines) and again on a second (a part made when it is sent), never all in memory."""
+
+    def __init__(self, plan: PlanFile, halves_a_request: int):
+        self.plan, self.count = plan, halves_a_request
+        self.header, self.room = _part_header(plan.head)
+        self.n = sum(1 for _ in _slices(plan.halves(), halves_a_request, self.room)) + 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        for s in _slices(self.plan.halves(), self.count, self.room):
+            yield {**self.header, "halves": s, "segments": []}
+        yield {**self.header, "halves": [], "segments": self.plan.head.get("segments") or []}
+
+
+def _slices(halves, count: int, room: int):
+    """``halves`` (an iterable) in order, ``count`` a slice, each slice's JSON within ``room`` bytes (a half over it
+    alone). A slice is measured whole (one encoding, ~0.5 s per 100,000 halves) and half by half only when over."""
+    it = iter(halves)
+    while chunk := list(itertools.islice(it, count)):
         if len(json.dumps(chunk).encode()) <= room:
             yield chunk
             continue
@@ -112,7 +139,12 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
     said = time.monotonic()
     try:
-        for n, part in enumerate(parts, 1):
+        for n, part in enumerate(_read_on(parts), 1):
+            if isinstance(part, PlanChanged):
+                done = (f"parts 1 to {n - 1} of {len(parts)} were applied (their halves' summary above), the others "
+                        "not sent" if n > 1 else "no part was sent")
+                return merged, (f"plan changed while it was sent, stopped: {part}; {done}; applying the plan again is "
+                                "safe, what was done is skipped")
             cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
             try:
                 resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
@@ -134,6 +166,14 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     finally:
         conn.close()
     return merged, None
+
+
+def _read_on(parts):
+    """``parts``, a big plan's PlanChanged (written over in place while its parts are read) the last of them."""
+    try:
+        yield from parts
+    except PlanChanged as exc:
+        yield exc
 
 
 def _undecided(skipped: list) -> int:
@@ -172,6 +212,30 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _read_plan(path: str):
+    """The plan as a dict when it is small (a part's bytes at most), else a PlanFile scanned (its halves read as
+    they are sent). Raises OSError, ValueError (not JSON) or PlanRefused: what the broker would refuse in one part
+    only, the parts before it applied."""
+    if os.path.getsize(path) <= PART_BYTES:
+        with open(path, "rb") as fh:
+            plan = json.load(fh)
+        if isinstance(plan, dict):
+            check_plan_lists(plan)
+        return plan
+    plan = PlanFile(path)
+    try:
+        plan.scan()             # (a file not a JSON object: ValueError, "expected '{'")
+        check_plan_lists(plan.head)         # (its halves, when a list, as None: checked by the scan)
+        if plan.not_object:
+            raise PlanRefused("halves must be a list of objects")
+        if not plan.listed:
+            return plan.head
+    except BaseException:
+        plan.close()
+        raise
+    return plan
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The admin command line: whole flag names only (allow_abbrev=False, its actions' too), as the broker's."""
     parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__, allow_abbrev=False,
@@ -201,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    port = args.broker.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        print(f"--broker {args.broker}: give the broker's address as host:port (a port 1-65535)", file=sys.stderr)
+        return 2
     credentials = None
     if args.access_key or args.secret_key:
         try:
@@ -227,26 +295,29 @@ def main(argv: list[str] | None = None) -> int:
     elif args.action == "resume":
         cmd = RemotingCommand.request(RequestCode.TXMQ_RESUME_TRANSACTION, {"commitLogOffset": args.offset})
     else:
-        try:
-            with open(args.plan, "rb") as fh:
-                plan = json.load(fh)
-        except (OSError, ValueError) as exc:
-            print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
-            return 2
         if args.slice < 1:
             print(f"--slice {args.slice}: give 1 or more halves a request", file=sys.stderr)
             return 2
-        if isinstance(plan, dict):
-            try:        # what the broker would refuse in one part only, the parts before it applied
-                check_plan_lists(plan)
-            except PlanRefused as exc:
-                print(f"plan {args.plan} not sent, nothing changed: {exc}", file=sys.stderr)
-                return 2
+        try:
+            plan = _read_plan(args.plan)
+        except (OSError, ValueError) as exc:
+            print(f"cannot read plan {args.plan}: {exc}", file=sys.stderr)
+            return 2
+        except PlanRefused as exc:
+            print(f"plan {args.plan} not sent, nothing changed: {exc}", file=sys.stderr)
+            return 2
         try:
             summary, stopped = asyncio.run(_apply_plan(args.broker, plan, args.timeout, credentials, args.slice))
         except (BrokerError, OSError) as exc:        # (no connection)
             print(f"broker {args.broker}: {exc}", file=sys.stderr)
             return 1
+        except PlanChanged as exc:      # (a big plan read again to count its parts: written over in place meanwhile)
+            print(f"plan {args.plan} changed while it was read, not sent, nothing changed: {exc}; apply it again "
+                  "once it is written whole", file=sys.stderr)
+            return 1
+        finally:
+            if isinstance(plan, PlanFile):
+                plan.close()
         if stopped is None or summary["expired"] or summary["skipped"]:
             print(json.dumps(summary, indent=1))
         if stopped is not None:

@@ -243,10 +243,17 @@ class Snapshots:
     bad_lines: int
     incomplete_lines: int
     duplicate_lines: int    # usable lines not read: another of the same ts was
+    early_lines: int = 0    # lines stamped before MIN_SNAPSHOT_TS_MS (seconds, not milliseconds): not read
 
     def release(self) -> None:
         for df in self.cached:
             df.unpersist()
+
+
+# 2001-09-09 in milliseconds: a snapshot's "ts" below it is in seconds (any date since 1970: 1.7e9 in 2024), from
+# a metrics file not written by the broker (a converter, a hand-made backfill). Read as milliseconds, each such line
+# fell on 1970-01-20: a rollup --date of its file's day had no broker or lag row of it, exit 0 and nothing said.
+MIN_SNAPSHOT_TS_MS = 10 ** 12
 
 
 def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) -> Snapshots:
@@ -273,19 +280,27 @@ def load_snapshots(spark, store_dir: str, dates: list[str] | None, *, job: str) 
     else:
         df = spark.createDataFrame([], schema)
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
-    counts = {r["kind"]: r["count"] for r in df.groupBy("kind").count().collect()}
+    early = F.coalesce(F.col("kind").isin("snap", "lag") & (F.col("ts") < MIN_SNAPSHOT_TS_MS), F.lit(False))
+    counts = {r["kind"]: r["count"] for r in
+              df.withColumn("kind", F.when(early & (F.col("kind") == "snap"), "early").otherwise(F.col("kind")))
+              .groupBy("kind").count().collect()}
+    lines = df.where(~early)
     # One line a ts (the broker writes one a ts): a line read twice (a file restored with `cat old >> new`) was a
     # snapshot of twice each group's lag, summed over its queues. The line kept is the first read; a few thousand
     # (ts, line) pairs a day, persisted and counted so Spark knows their size: broadcast under
     # spark.sql.autoBroadcastJoinThreshold (the lag rows are not shuffled), a shuffle join above it (no hint: every
     # retained day's lines, kept for good at a short interval, were collected whole on the driver).
-    one = df.where(F.col("kind") == "snap").groupBy("ts").agg(F.min("line").alias("line")).persist()
+    one = lines.where(F.col("kind") == "snap").groupBy("ts").agg(F.min("line").alias("line")).persist()
     kept = one.count()
-    rows = df.where(F.col("kind").isin("snap", "lag")).join(one, ["ts", "line"], "left_semi")
+    rows = lines.where(F.col("kind").isin("snap", "lag")).join(one, ["ts", "line"], "left_semi")
     snaps = Snapshots(rows, [df, one], len(files), kept, counts.get("bad", 0), counts.get("incomplete", 0),
-                      counts.get("snap", 0) - kept)
+                      counts.get("snap", 0) - kept, counts.get("early", 0))
     log.info("%s: read %d snapshot lines from %d files (%d bad lines skipped, %d incomplete)", job, snaps.lines,
              snaps.files, snaps.bad_lines, snaps.incomplete_lines)
+    if snaps.early_lines:
+        log.warning("%s: %d snapshot lines are stamped before 2001-09-09 (their ts below %d: seconds, not "
+                    "milliseconds?) and are not rolled up; the broker writes milliseconds: fix what wrote them and "
+                    "roll their dates up again", job, snaps.early_lines, MIN_SNAPSHOT_TS_MS)
     if snaps.duplicate_lines:
         log.warning("%s: %d snapshot lines repeat the ts of another (a metrics file with lines twice: restored or "
                     "appended over a copy?): one line a ts is read", job, snaps.duplicate_lines)

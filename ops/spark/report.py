@@ -73,6 +73,7 @@ def collect(tables: dict, dates: list[str], summary: dict) -> dict[str, dict]:
     scan = {k: summary[k] for k in ("records", "segments", "damage", "snapshot_lines", "bad_snapshot_lines",
                                     "incomplete_snapshot_lines")}
     scan["duplicate_snapshot_lines"] = summary.get("duplicate_snapshot_lines", 0)
+    scan["early_snapshot_lines"] = summary.get("early_snapshot_lines", 0)
     scan["damaged_ops"] = summary.get("damaged_ops") or {}
     scan["kept_corrupt"] = summary.get("kept_corrupt") or []
     brokers = list(summary.get("brokers") or [])
@@ -198,7 +199,9 @@ def render_html(data: dict) -> str:
              f"{scan['snapshot_lines']:,} metric snapshots ({scan['bad_snapshot_lines']} bad lines, "
              f"{scan['incomplete_snapshot_lines']} incomplete"
              + (f", {scan['duplicate_snapshot_lines']} read twice and counted once"
-                if scan.get("duplicate_snapshot_lines") else "") + ")."]
+                if scan.get("duplicate_snapshot_lines") else "")
+             + (f", {scan['early_snapshot_lines']} stamped in seconds, not read"
+                if scan.get("early_snapshot_lines") else "") + ")."]
     ops = scan.get("damaged_ops") or {}
     if any(ops.values()):
         notes.append(f"Damaged op records: {ops.get('misnamed', 0)} named another half than their body (taken for "

@@ -556,6 +556,7 @@ def _summary(parts, date: str | None) -> dict:
             "snapshot_lines": total("snapshot_lines"), "bad_snapshot_lines": total("bad_snapshot_lines"),
             "incomplete_snapshot_lines": total("incomplete_snapshot_lines"),
             "duplicate_snapshot_lines": total("duplicate_snapshot_lines"),
+            "early_snapshot_lines": total("early_snapshot_lines"),
             "brokers": [p.broker for p in parts], "rows": {}, "reports": [], "left_as_is": []}
 
 
@@ -646,7 +647,8 @@ class _StoreRollup:
                         "kept_corrupt": [{**d, "broker": broker} for d in scan.kept],
                         "snapshot_lines": self.snaps.lines, "bad_snapshot_lines": self.snaps.bad_lines,
                         "incomplete_snapshot_lines": self.snaps.incomplete_lines,
-                        "duplicate_snapshot_lines": self.snaps.duplicate_lines}
+                        "duplicate_snapshot_lines": self.snaps.duplicate_lines,
+                        "early_snapshot_lines": self.snaps.early_lines}
 
     def recheck_baseline(self, out_dir: str) -> None:
         """Read the previous day's undecided count again, under --out's lock. The first read (it chose the

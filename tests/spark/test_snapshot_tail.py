@@ -98,3 +98,29 @@ def test_the_one_line_a_ts_table_is_broadcast_only_while_it_is_small(spark, tmp_
             big.release()
     finally:
         spark.conf.unset("spark.sql.autoBroadcastJoinThreshold")
+
+
+def test_snapshot_lines_stamped_in_seconds_are_said_not_dropped_silently(spark, tmp_path, caplog):
+    """A metrics file whose "ts" is in seconds (a converter's, a backfill's; the broker writes milliseconds): each
+    line fell on 1970-01-20, a rollup --date of the file's day had no broker or lag row of it, one INFO line
+    ("read 2 snapshot lines") and exit 0. Now they are counted apart, not rolled up (no 1970 partition), and said
+    in a WARNING."""
+    import logging
+
+    from ops.spark.load import load_snapshots
+    from ops.spark.rollup import broker_table
+
+    d = tmp_path / "metrics"
+    d.mkdir()
+    day = 1710028800000          # 2024-03-10 00:00 UTC
+    (d / "2024-03-10.jsonl").write_text(_line(day // 1000, 2) + _line(day // 1000 + 60, 3) + _line(day, 4))
+    an_hour_ago = time.time() - 3600
+    os.utime(d / "2024-03-10.jsonl", (an_hour_ago, an_hour_ago))
+    with caplog.at_level(logging.WARNING, logger="ops.spark"):
+        snaps = load_snapshots(spark, str(tmp_path), None, job="test")
+    try:
+        assert "2 snapshot lines are stamped before 2001-09-09" in caplog.text and "seconds" in caplog.text
+        assert (snaps.lines, snaps.early_lines) == (1, 2)
+        assert {r["date"] for r in broker_table(snaps.rows, ["1970-01-20", "2024-03-10"]).collect()} == {"2024-03-10"}
+    finally:
+        snaps.release()

@@ -65,3 +65,272 @@ def test_apply_expiry_fails_when_a_listed_half_is_still_undecided(tmp_path, monk
     assert "1 listed half not expired, still undecided" in codes["refused", "err"], codes
     assert "store refused the decision: SERVICE_NOT_AVAILABLE" in codes["refused", "err"]
     assert "apply the plan again" in codes["refused", "err"]
+
+
+def _big_plan(n_halves: int) -> dict:
+    """Halves as the nightly job lists them (~190 JSON bytes each)."""
+    return {**HEADER, "halves": [{"commit_log_offset": i * 300, "queue_offset": i, "producer_group": f"pg-{i % 7}",
+                                  "topic": "orders", "store_timestamp": 1_700_000_000_000 + i,
+                                  "uniq_key": "7F0000010B6418B4AAC2%012X" % i} for i in range(n_halves)],
+            "segments": [{"name": "0" * 20}], "report": {"segments": 1}}
+
+
+def _apply_counting(monkeypatch, path, *argv):
+    """admin.main(apply-expiry path), its parts made and looked at but not sent: (exit code, what was seen: the
+    parts' halves' commit-log offsets (every 1,000th: the test's own memory), their segments, the peak memory
+    traced while it ran)."""
+    import asyncio
+    import tracemalloc
+
+    from broker import admin
+
+    seen: dict = {"offsets": [], "segments": [], "sizes": []}
+
+    async def fake(addr, plan, timeout, credentials, halves_a_request):
+        parts = admin.plan_parts(plan, halves_a_request)
+        for part in parts:
+            seen["n"] = seen.get("n", 0) + len(part["halves"])
+            seen["offsets"] += [h["commit_log_offset"] for h in part["halves"][::1000]]
+            seen["segments"] += part["segments"]
+            seen["sizes"].append(len(json.dumps(part).encode()))
+            assert "report" not in part and {k: part[k] for k in HEADER} == HEADER
+        seen["parts"] = len(parts)
+        await asyncio.sleep(0)
+        return {"expired": [], "skipped": []}, None
+
+    monkeypatch.setattr(admin, "_apply_plan", fake)
+    tracemalloc.start()
+    try:
+        code = admin.main(["apply-expiry", str(path), *argv])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return code, seen, peak
+
+
+def test_a_big_plan_is_applied_without_holding_its_halves(tmp_path, monkeypatch):
+    """`json.load` of the plan held every half: 1,000,000 listed halves (a 191 MB file) took 972 MB of the admin's
+    memory, 10,000,000 some 10 GB. Read as it is sent, the halves of a part or two are held at a time."""
+    plan = _big_plan(40_000)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan, indent=1))
+    size = path.stat().st_size
+    code, seen, peak = _apply_counting(monkeypatch, path)
+    assert code == 0
+    assert seen["n"] == 40_000 and seen["offsets"] == [h["commit_log_offset"] for h in plan["halves"][::1000]]
+    assert seen["segments"] == plan["segments"] and seen["parts"] == 41
+    assert peak < size / 2, (peak, size)
+
+
+def test_a_big_plan_read_from_its_file_is_parted_as_the_plan_itself(tmp_path, monkeypatch):
+    """The parts of a plan read from its file are those of the plan loaded whole (bounded in bytes the same way)."""
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    plan = _big_plan(900)
+    for i in range(0, 900, 97):
+        plan["halves"][i]["uniq_key"] = "é" * (i * 20)          # some halves big, one over a part alone
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan, ensure_ascii=False), encoding="utf-8")
+    read = admin._read_plan(str(path))
+    try:
+        assert list(admin.plan_parts(read, 50)) == admin.plan_parts(plan, 50)
+        assert len(admin.plan_parts(read, 50)) == len(admin.plan_parts(plan, 50))
+    finally:
+        read.close()
+
+
+def test_a_big_plan_that_is_not_one_is_refused_before_any_part_is_sent(tmp_path, monkeypatch):
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 1024)
+    plan = _big_plan(50)
+    cases = {"a half not an object": {**plan, "halves": plan["halves"] + [7]},
+             "segments not a list": {**plan, "segments": "x"},
+             "cut short": json.dumps(plan)[:-40],
+             "extra data": json.dumps(plan) + "{}",
+             "not an object": json.dumps(plan["halves"])}
+    for name, body in cases.items():
+        path = tmp_path / "plan.json"
+        path.write_text(body if isinstance(body, str) else json.dumps(body))
+        code, seen, _ = _apply_counting(monkeypatch, path)
+        assert code == 2 and seen["offsets"] == [] and "parts" not in seen, name
+
+
+def _parts_both_ways(monkeypatch, tmp_path, text: str, chunks) -> dict:
+    """The parts of the plan ``text`` read as a big plan (value by value, ``chunks`` characters a read) and loaded
+    whole (json.load): {chunk: (what json.load gave, what the reader gave)} where they differ."""
+    from broker import admin, plan_stream
+    from broker.retention import PlanRefused
+
+    def outcome(read):
+        try:
+            plan = read()
+            return list(admin.plan_parts(plan, 3))
+        except PlanRefused as exc:
+            return ("refused", str(exc))
+        except ValueError:
+            return ("not JSON",)
+
+    def whole():
+        plan = json.loads(text.encode())          # (as the admin loads a small plan: bytes, a BOM skipped)
+        if isinstance(plan, dict):
+            admin.check_plan_lists(plan)
+        return plan
+
+    path = tmp_path / "plan.json"
+    path.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(admin, "PART_BYTES", 200)            # (the file is over it: read value by value)
+    assert path.stat().st_size > 200
+    expected, differ = outcome(whole), {}
+    opened = []
+
+    def streamed():
+        opened.append(admin._read_plan(str(path)))
+        return opened[-1]
+
+    for chunk in chunks:
+        monkeypatch.setattr(plan_stream, "CHUNK", chunk)
+        got = outcome(streamed)
+        while opened:
+            if isinstance(opened[-1], plan_stream.PlanFile):
+                opened[-1].close()
+            opened.pop()
+        if got != expected:
+            differ[chunk] = (expected, got)
+    return differ
+
+
+def test_a_big_plan_is_parted_as_json_load_reads_it_whatever_the_reads_cut_it(tmp_path, monkeypatch):
+    """A value cut by a read (a number after its '.' or 'e', a string in its escapes) is the value json.load reads;
+    of keys given twice the last counts (json.load's); a plan as ops.spark expiry writes it gives the same parts."""
+    import random
+    import tempfile
+
+    from ops.spark.plan import write_plan
+
+    rnd = random.Random(7)
+    halves = [{"commit_log_offset": i * 317, "queue_offset": i, "producer_group": "pg\\\"é😀"[: i % 6],
+               "topic": "orders", "store_timestamp": 1_700_000_000_000 + i,
+               "uniq_key": None if i % 5 == 0 else "k\u2028\"\\/\ud7ff😀%d" % i} for i in range(12)]
+    with tempfile.TemporaryDirectory() as d:
+        write_plan({**HEADER, "retention_ms": 1000, "now_ms": 1_800_000_000_000, "halves": halves,
+                    "segments": [{"name": "0" * 20, "start_offset": 0, "end_offset": 99, "records": 9,
+                                  "first_store_timestamp": 1, "last_store_timestamp": 2}],
+                    "report": {"segments": 1, "unconsumed": []}}, f"{d}/plan.json")
+        with open(f"{d}/plan.json", encoding="utf-8") as fh:
+            written = fh.read()
+    h = json.dumps(halves)
+    plans = {
+        "as ops.spark expiry writes it": written,
+        "numbers with fractions and exponents": '{"version": 2, "store_id": "s", "rate": 12.5e2, "x": [1.25, 3E+7, '
+                                                '-0.5e-3], "halves": %s, "now_ms": 17.75, "segments": []}' % h,
+        "white space everywhere, halves last": '\ufeff \n{\r\n"segments"\t:\n[ ] ,"store_id" : "s" , "halves" :\n[ '
+                                               + ' ,\n '.join(json.dumps(x) for x in halves) + ' ]\n}\n\t',
+        "halves twice": '{"store_id": "s", "halves": [{"commit_log_offset": -1}, 7], "halves": %s, "segments": []}' % h,
+        "halves twice, the last not a list": '{"store_id": "s", "halves": %s, "halves": null, "segments": []}' % h,
+        "halves twice, the first not a list": '{"store_id": "s", "halves": 3, "halves": %s, "segments": []}' % h,
+        "halves twice, the last not objects": '{"store_id": "s", "halves": %s, "halves": [1, 2, 3, 4]}' % h,
+    }
+    for name, text in plans.items():
+        chunks = sorted({1, 2, 3, 5, 64 * 1024, *(rnd.randint(1, 200) for _ in range(40))})
+        assert _parts_both_ways(monkeypatch, tmp_path, text, chunks) == {}, name
+
+
+def test_a_broker_address_without_a_port_is_said_so(tmp_path, capsys):
+    """`--broker 127.0.0.1:abc apply-expiry` said the plan "changed while it was sent ... the parts sent were
+    applied" (its int(port) ValueError taken for a plan read again); the other actions a traceback."""
+    from broker import admin
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(2)))
+    for addr in ("127.0.0.1:abc", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000"):
+        for argv in (["apply-expiry", str(path)], ["list"]):
+            assert admin.main(["--broker", addr, *argv]) == 2, (addr, argv)
+            err = capsys.readouterr().err
+            assert f"--broker {addr}: give the broker's address as host:port" in err and "changed" not in err, err
+
+
+def test_a_big_plan_wrong_near_its_start_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    """A JSON error was taken for a value cut by the read: the reader read on, to the end of the file, before it
+    said so (a 18 MB plan with ',,' in its second half: 50 MB; a 1.9 GB one of 10,000,000 halves, the OOM killer)."""
+    plan = _big_plan(40_000)
+    good = json.dumps(plan)
+    for name, text in {"a comma twice": good.replace('"queue_offset": 1,', '"queue_offset": 1,,', 1),
+                       "a line break in a string": good.replace('"pg-1"', '"pg\n-1"', 1),
+                       "a key not a string": good.replace('"queue_offset": 2,', 'queue_offset: 2,', 1)}.items():
+        path = tmp_path / "plan.json"
+        path.write_text(text)
+        code, seen, peak = _apply_counting(monkeypatch, path)
+        assert code == 2 and "parts" not in seen, name
+        assert peak < len(text) / 10, (name, peak, len(text))
+
+
+def _sent_to_a_fake_broker(monkeypatch, capsys, path, on_part) -> tuple[int, list, str, str]:
+    """admin.main(apply-expiry path) against a connection answering each part with its halves expired, after
+    ``on_part(parts sent so far)``: (exit code, the parts sent, stdout, stderr)."""
+    import types
+
+    from broker import admin
+    from protocol.codes import ResponseCode
+
+    bodies: list = []
+
+    class Conn:
+        async def request(self, cmd, timeout):
+            part = json.loads(cmd.body_bytes())
+            bodies.append(part)
+            on_part(len(bodies))
+            reply = {"expired": [h["commit_log_offset"] for h in part["halves"]], "skipped": []}
+            return types.SimpleNamespace(code=ResponseCode.SUCCESS, remark="", body_bytes=lambda: json.dumps(reply))
+
+        def close(self):
+            pass
+
+    async def connect(host, port, sign=None):
+        return Conn()
+
+    monkeypatch.setattr(admin, "open_connection", connect)
+    code = admin.main(["apply-expiry", str(path)])
+    out, err = capsys.readouterr()
+    return code, bodies, out, err
+
+
+def test_a_big_plan_written_over_while_it_is_sent_stops_it_saying_what_was_done(tmp_path, monkeypatch, capsys):
+    """A plan written over in place (not renamed over) after its second part was sent. By one as long, other halves
+    at other offsets: its next parts were read from the new file (JSON all through) and sent, exit 0. Written on (a
+    byte appended): every part but the last sent, then "changed" said, not the halves the parts expired (dead
+    letters now, skipped by the next apply as already decided). Now the next read stops it, the summary said."""
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    plan = _big_plan(5000)
+    other = json.dumps({**plan, "halves": [{**h, "commit_log_offset": h["commit_log_offset"] + 1}
+                                           for h in plan["halves"]]})
+    for name, mode, text in (("written over", "r+", other), ("written on", "a", " ")):
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(plan))
+        assert len(other) == path.stat().st_size
+
+        def change(n):
+            if n == 2:
+                with open(path, mode) as fh:
+                    fh.write(text)
+
+        code, bodies, out, err = _sent_to_a_fake_broker(monkeypatch, capsys, path, change)
+        assert code == 1 and "changed while it was sent" in err and "applying the plan again is safe" in err, err
+        assert 2 <= len(bodies) <= 3 and "were applied" in err, (name, len(bodies), err)
+        sent = [h["commit_log_offset"] for p in bodies for h in p["halves"]]
+        assert json.loads(out)["expired"] == sent == [h["commit_log_offset"] for h in plan["halves"][:len(sent)]]
+
+
+def test_a_big_plan_sent_whole_to_a_broker_is_its_parts_in_order(tmp_path, monkeypatch, capsys):
+    from broker import admin
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    plan = _big_plan(5000)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan, indent=1))
+    code, bodies, out, err = _sent_to_a_fake_broker(monkeypatch, capsys, path, lambda n: None)
+    assert code == 0 and bodies == admin.plan_parts(plan) and len(bodies) == 16, (code, len(bodies), err)
+    assert json.loads(out)["expired"] == [h["commit_log_offset"] for h in plan["halves"]]
