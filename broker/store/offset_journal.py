@@ -171,7 +171,10 @@ class FirstsJournal:
             return
         # A line that does not read goes too: said at the start that skipped it (kept, it was said at every start
         # for good). None is being written (appends hold the lock; one that failed was cut back).
-        kept = [line for line in lines if line and (e := _parse(line)) is not None and e[0] > upto]
+        whole = [line for line in lines if line]
+        kept = [line for line in whole if (e := _parse(line)) is not None and e[0] > upto]
+        if len(kept) == len(whole):     # nothing to drop (an empty file too): no rewrite, no fsync, each save
+            return
         if not kept:
             # (no fsync: lines the table holds are skipped at a start anyway, so a crash bringing them back is harmless)
             os.truncate(self.path, 0)
