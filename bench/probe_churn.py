@@ -8,7 +8,7 @@ One broker on a fresh store (a temporary directory, removed at the end), then ea
 |-----------|--------------------------------------------------------------------------------------------|
 | producers | a producer restarted with a new client id (instance name with a PID): heartbeat, one send  |
 | groups    | a consumer group that comes and goes: heartbeat (its %RETRY% topic made), pull, commit     |
-| topics    | a topic auto-made by a send, an offset committed on it, then DELETE_TOPIC_IN_BROKER         |
+| topics    | a topic made (UPDATE_AND_CREATE_TOPIC), sent to, an offset committed on it, then deleted   |
 | subgroups | UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, a commit, DELETE_SUBSCRIPTIONGROUP with removeOffset   |
 
 After each phase: VmRSS, the /metrics page's bytes and samples (and which families changed), the milliseconds a
@@ -63,6 +63,11 @@ def _send(topic: str) -> RemotingCommand:
     return RemotingCommand.request(R.SEND_MESSAGE_V2, fields, b"x" * 50)
 
 
+def _create(topic: str) -> RemotingCommand:
+    return RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {"topic": topic, "readQueueNums": 4,
+                                                               "writeQueueNums": 4, "perm": 6})
+
+
 def _commit(group: str, topic: str, queue_id: int = 0) -> RemotingCommand:
     return RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {"consumerGroup": group, "topic": topic,
                                                               "queueId": queue_id, "commitOffset": 1})
@@ -95,7 +100,8 @@ async def _step(broker, admin, phase: str, i: int) -> None:
         await _ok(conn, _commit(group, "Churn", i % 4))
         conn.close()
     elif phase == "topics":
-        topic = f"Tmp_churn{i}"
+        topic = f"Tmp_churn{i}"      # made by an admin: auto-made, the 10 a second a client may make pace it
+        await _ok(admin, _create(topic))
         await _ok(admin, _send(topic))
         await _ok(admin, _commit("CG_keeper", topic))
         await _ok(admin, RemotingCommand.request(R.DELETE_TOPIC_IN_BROKER, {"topic": topic}))
@@ -115,8 +121,7 @@ async def run(store: Path, count: int, phases: list[str]) -> dict:
     out: dict = {"count": count}
     try:
         admin = await _connect(broker)
-        await _ok(admin, RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
-            "topic": "Churn", "readQueueNums": 4, "writeQueueNums": 4, "perm": 6}))
+        await _ok(admin, _create("Churn"))
         for _ in range(20):
             await _ok(admin, _send("Churn"))
         size, families = _families(broker)
