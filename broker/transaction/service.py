@@ -845,20 +845,24 @@ class TransactionService:
             self._slice_gone.add(tx.group)
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
-        if owner is not None and (not tx.unanswered or not channels):
+        silent = self.core.unanswered_checks
+        # A sender known silent (a check of another of its transactions came due unanswered, none answered since)
+        # is asked first no more than one whose own check went unanswered: asked first, each new transaction of a
+        # hung sender waited a doubled interval before a producer that answers was asked. It answers, or comes
+        # back on a new connection, and it is asked first again.
+        if owner is not None and ((not tx.unanswered and not silent(owner, tx.group)) or not channels):
             if self._has_room(owner, tx.group, size):
                 if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
                     tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
                 return self._take(tx, owner, size, "")
             why = "sender-busy"
         elif owner is not None:
-            why = "sender-unanswered"
+            why = "sender-unanswered" if tx.unanswered else "sender-silent"
         if not channels:
             return None                 # its sender has no room and no other is registered: after an interval
         # Producers that answer first, in turn; one that left its last checks unanswered (hung, its connection
         # open) only when none of them has room: asked in turn with the others, each check it took waited a
         # (doubled) interval before another producer was asked.
-        silent = self.core.unanswered_checks
         for hushed in (False, True):
             for _ in range(len(channels)):
                 self._rr += 1

@@ -412,10 +412,11 @@ async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_let
 
 async def _asked_of_its_sender_before_its_first_heartbeat(b, uniq: str, resume) -> None:
     """A stock Java producer's half sent before its first heartbeat (no TXMQ_OWNER on it; a sender record names
-    it after), checked once, unanswered: dead-lettered; ``resume(b, offset)`` gets it checked again, which must ask
-    its sender alone (a second producer of the group is there) and count no reroute."""
+    it after), checked once, answered UNKNOW: dead-lettered; ``resume(b, offset)`` gets it checked again, which must ask
+    its sender alone (a second producer of the group is there) and count no reroute. The sender answers UNKNOW: one
+    that never answers is known silent, and its checks go to the others first."""
     changed = asyncio.Event()
-    sender, other = Checked(changed), Checked(changed)
+    sender, other = Answering(changed), Checked(changed)
     conn = await _raw(b, sender)                    # no heartbeat yet: the half names no sender
     peer = await _raw(b, other, "10.0.0.9@other")
     try:
@@ -589,3 +590,29 @@ async def test_a_slow_producer_that_answers_its_checks_late_is_asked_in_turn_aga
     finally:
         for conn in conns:
             conn.close()
+
+
+@bounded(90)
+async def test_a_sender_known_silent_is_not_asked_first_about_its_new_transactions(broker_factory):
+    """A sender hung with its connection open (its check listener waiting on a database that is down) left a check
+    unanswered: it is known silent. Each transaction it sent afterwards still had its first check sent to it, and
+    waited a doubled interval unanswered before the group's producer that answers was asked. The sender is now
+    asked first only while it answers: known silent, a new transaction's first check goes to one that answers."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1000",
+                       "--transaction-check-max", "1000")
+    hung, other = Listener(answers=False), Listener()
+    async with _producer(b, "other", other):
+        sender = await _producer(b, "sender", hung).start()
+        try:
+            await sender.send_in_transaction(TOPIC, b"order 1")
+            await hung.until_asked(1)               # the first check goes to the sender, which never answers
+            await other.until_asked(1)              # due again unanswered: the sender is known silent
+            assert await _metric(b, "txmq_transaction_producers_silent_total") == 1
+            await sender.send_in_transaction(TOPIC, b"order 2")
+            await other.until_asked(2)
+        finally:
+            hung.never.set()
+            await sender.shutdown()
+        assert hung.asked == [b"order 1"], hung.asked
+        assert other.asked == [b"order 1", b"order 2"], other.asked
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total", 'reason="sender-silent"') == 1
