@@ -65,6 +65,8 @@ DEAD_LETTER_BATCH_BYTES = 4 << 20
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 _FOREVER = (1 << 63) - 1         # a message-index query over all time
+# An END's transactionId or msgId longer than this is no UNIQ_KEY (32 hex digits): not looked up in the index
+_KEY_CHARS_MAX = 128
 
 log = logging.getLogger("txmq.transaction")
 
@@ -534,10 +536,11 @@ class TransactionService:
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None,
-            conn=None):
+            conn=None, keys: tuple[str, ...] = ()):
         """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it; or, when
         ``later`` (an Answer of (code, remark) results) is given and the decision is written at once, None:
-        the store's writer hands ``later`` the answer."""
+        the store's writer hands ``later`` the answer. ``keys``: the END's transactionId and msgId (a stock
+        producer's are its half's UNIQ_KEY), by which a COMMIT of a half retention removed finds its dead letter."""
         metrics = self.ctx.metrics
         tx = self.pending.get(half_offset)
         if from_check and tx is not None and tx.group == group:    # another group's answer is refused below
@@ -553,6 +556,8 @@ class TransactionService:
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group, half_offset)
+            if action.event == "no-half" and op == COMMIT and self._half_removed(half_offset) and any(keys):
+                return self._commit_after_removed(half_offset, group, keys, action)
             return action.code, action.remark
         if isinstance(action, Write):       # claimed now, before any other request is handled
             done = self._claim(action.tx)
@@ -578,7 +583,7 @@ class TransactionService:
             # was lost with only a log line; counted, a producer ending transactions it cannot have is seen. One
             # below the log's first offset is counted apart: retention removed its half (a producer deciding very
             # late, after the dead letter), not an END naming something that was never a half.
-            removed = half_offset is not None and 0 <= half_offset < self.ctx.store.min_physical_offset
+            removed = half_offset is not None and self._half_removed(half_offset)
             metrics.refused.labels("end-half-removed" if removed else "end-no-half").inc()
             return
         if reply.event == "commit-after-dead":
@@ -587,6 +592,39 @@ class TransactionService:
                    "commit-after-dead": metrics.conflicts}.get(reply.event)
         if counter is not None:
             metrics.child(counter, group).inc()
+
+    def _half_removed(self, half_offset: int) -> bool:
+        """``half_offset`` is below the log's first offset: retention removed the segment it was in."""
+        return 0 <= half_offset < self.ctx.store.min_physical_offset
+
+    async def _commit_after_removed(self, half_offset: int, group: str, keys: tuple[str, ...],
+                                    refused: Reply) -> tuple[int, str]:
+        """A COMMIT for a half retention removed (``refused``: no half). Retention dead-letters an undecided half
+        before it removes its segment, so its producer committed a message that sits on the dead-letter topic:
+        refused as "Find prepared transaction message failed" alone (a stock client's END is oneway, nobody hears
+        it), and counted with every END naming an offset below the log, nothing said where the message was. Its
+        dead letter, found by the END's ids and matched by the half offset it names, is said as any commit after
+        a dead letter is (alert TxmqCommitAfterDeadLetter), with where it is and how to deliver it."""
+        found = None
+        for key in dict.fromkeys(k for k in keys if k and len(k) <= _KEY_CHARS_MAX):
+            found = await self._dead_letter_of(half_offset, key, f"COMMIT of the transaction at {half_offset}",
+                                               "the COMMIT is refused as for no half, its message not found")
+            if found is not None:
+                break
+        if found is None:
+            return refused.code, refused.remark
+        phy, dead = found
+        reason = parse_dead_letter(dead)[1] or "?"
+        where = offset_msg_id(self.ctx.store_host, phy)
+        # (the prefix "transaction already " gates the END's own refusal line: one a 10 s, as the other conflicts)
+        reply = Reply(ResponseCode.TRANSACTION_FAILED,
+                      f"transaction already DEAD (dead-lettered, {reason}) and its half at {half_offset} removed by "
+                      f"retention; COMMIT refused: its message is on {DEAD_TOPIC} as {where} (UNIQ_KEY "
+                      f"{dead.properties.get(Prop.UNIQ_KEY, '?')}), undelivered; it cannot be resumed (its half is "
+                      f"gone): `admin show-msg {where}` shows it; to deliver it, send its body and keys to "
+                      f"{dead.properties.get(Prop.REAL_TOPIC, '?')}", "commit-after-dead")
+        self._count(reply, group, half_offset)
+        return reply.code, reply.remark
 
     def _commit_after_dead(self, reply: Reply, group: str, half_offset: int | None) -> None:
         """A COMMIT for a dead-lettered transaction: its producer committed, its message sits on the dead-letter
@@ -1264,45 +1302,54 @@ class TransactionService:
 
     async def _dead_letter_sender(self, half) -> str:
         """The sender its dead letter names (the broker's Tx.owner_id when it was dead-lettered), found by the
-        message index (``TRANS_CHECK_MAX_TIME_TOPIC#UNIQ_KEY``, newest first); "" when none does (the half's own
-        mark then: tx_from_half). A stock Java producer's first halves carry no mark (sent before its first
-        heartbeat, a sender record names them): rebuilt from the half alone, a resumed one's checks went to the
-        group's producers in turn, other instances asked about a transaction they never began."""
-        uniq, index = half.properties.get(Prop.UNIQ_KEY), self.ctx.index
-        if not uniq or index is None:
+        message index (_dead_letter_of); "" when none does (the half's own mark then: tx_from_half). A stock Java
+        producer's first halves carry no mark (sent before its first heartbeat, a sender record names them):
+        rebuilt from the half alone, a resumed one's checks went to the group's producers in turn, other
+        instances asked about a transaction they never began."""
+        uniq = half.properties.get(Prop.UNIQ_KEY)
+        if not uniq:
             return ""
+        found = await self._dead_letter_of(
+            half.physical_offset, uniq, f"resume of the transaction at {half.physical_offset}",
+            "its checks ask the sender its half names, if any, else the group's producers in turn")
+        owner = found[1].properties.get(P_OWNER, "") if found is not None else ""
+        return owner if plain_owner(owner) else ""
+
+    async def _dead_letter_of(self, half_offset: int, uniq: str, what: str, lost: str):
+        """(commit-log offset, MessageExt) of the newest dead letter of the half at ``half_offset``, found by the
+        message index (``TRANS_CHECK_MAX_TIME_TOPIC#UNIQ_KEY``, newest first) and matched by the half offset it
+        names; None when none is. ``what`` (the lookup's purpose) and ``lost`` (what not finding it costs) make its
+        WARNINGs when the lookup could not see it all."""
+        index = self.ctx.index
+        if index is None:
+            return None
         try:
             looked = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
         except (StoreError, OSError) as exc:        # the broker is stopping
-            log.warning("resume of the transaction at %d: its dead letter not looked up (%s): its checks ask the "
-                        "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
-            return ""
+            log.warning("%s: its dead letter not looked up (%s): %s", what, exc, lost)
+            return None
         for phy in looked.found:    # newest first: a transaction dead-lettered again after a resume
             try:
                 view = self.ctx.store.get_record(phy)
                 dead = decode_record(view)[0] if view is not None else None
             except Exception as exc:  # noqa: BLE001 - damaged (as _half_at): the lookup is a help, not the resume
-                log.warning("resume of the transaction at %d: the dead letter the message index names at %d does "
-                            "not decode (%s): passed over", half.physical_offset, phy, exc)
+                log.warning("%s: the dead letter the message index names at %d does not decode (%s): passed over",
+                            what, phy, exc)
                 continue
-            if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half.physical_offset:
-                owner = dead.properties.get(P_OWNER, "")
-                return owner if plain_owner(owner) else ""
+            if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half_offset:
+                return phy, dead
         if index.partial:
             # Answered from a prefix of the log (catching up at start-up, or stopped by a write error): its dead
             # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid.
-            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole log (the message "
-                        "index %s, to offset %d): its checks ask the sender its half names, if any, else the group's "
-                        "producers in turn", half.physical_offset,
-                        "stopped by a write error" if index.stopped else "is catching up", index.covered)
+            log.warning("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): "
+                        "%s", what, "stopped by a write error" if index.stopped else "is catching up", index.covered,
+                        lost)
         elif looked.cut:
             # The lookup read max_checks records of the key's hash and stopped (other keys with the same
             # String.hashCode, which any client can send in any topic): unsaid, the checks went to the group in turn.
-            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole index (the "
-                        "lookup stopped after %d records of its key's String.hashCode, other keys share it): its "
-                        "checks ask the sender its half names, if any, else the group's producers in turn",
-                        half.physical_offset, index.max_checks)
-        return ""
+            log.warning("%s: its dead letter not looked up in the whole index (the lookup stopped after %d records "
+                        "of its key's String.hashCode, other keys share it): %s", what, index.max_checks, lost)
+        return None
 
     # ------------------------------------------------------------ retention (broker/retention.py)
     def undecided(self, lo: int, hi: int) -> dict[int, int]:
