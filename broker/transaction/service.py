@@ -132,10 +132,15 @@ class TransactionService:
         # The times not said are counted by key (at most _SILENT_KEYS_MAX keys) and given in its next line.
         self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
         self._silent_unsaid: dict[str, int] = {}
+        # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
+        # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
+        self._end_lookup_said = EveryKey(10, clock=lambda: ctx.monotonic() / 1000)
         # ... and those past the 20, named together once the minute is over (say_unsaid_dead_commits): half offset
         # -> group, at most _UNSAID_MAX (the rest counted), each named once
         self._dead_commits_unsaid: dict[int, str] = {}
         self._dead_commits_unsaid_more = 0
+        # ... of which those whose half retention removed: half offset -> its dead letter's id (no resume for them)
+        self._dead_commits_removed: dict[int, str] = {}
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
@@ -572,7 +577,7 @@ class TransactionService:
             return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
-    def _count(self, reply: Reply, group: str, half_offset: int | None = None) -> None:
+    def _count(self, reply: Reply, group: str, half_offset: int | None = None, dead_letter: str = "") -> None:
         metrics = self.ctx.metrics
         if reply.event == "not-its-half":   # another group's END, or a wrong offset: refused, counted by reason
             metrics.refused.labels("end-not-its-half").inc()
@@ -587,7 +592,7 @@ class TransactionService:
             metrics.refused.labels("end-half-removed" if removed else "end-no-half").inc()
             return
         if reply.event == "commit-after-dead":
-            self._commit_after_dead(reply, group, half_offset)
+            self._commit_after_dead(reply, group, half_offset, dead_letter)
         counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates, "conflict": metrics.conflicts,
                    "commit-after-dead": metrics.conflicts}.get(reply.event)
         if counter is not None:
@@ -606,9 +611,15 @@ class TransactionService:
         dead letter, found by the END's ids and matched by the half offset it names, is said as any commit after
         a dead letter is (alert TxmqCommitAfterDeadLetter), with where it is and how to deliver it."""
         found = None
+
+        def warn(fmt, *args) -> None:
+            # (any client can send such COMMITs, oneway, at will: one line a 10 s for them all, not one a lookup)
+            if self._end_lookup_said.due("lookup"):
+                log.warning(fmt + " (said at most every 10 s; such COMMITs are counted in "
+                            "txmq_requests_refused_total{reason=\"end-half-removed\"})", *args)
         for key in dict.fromkeys(k for k in keys if k and len(k) <= _KEY_CHARS_MAX):
             found = await self._dead_letter_of(half_offset, key, f"COMMIT of the transaction at {half_offset}",
-                                               "the COMMIT is refused as for no half, its message not found")
+                                               "the COMMIT is refused as for no half, its message not found", warn)
             if found is not None:
                 break
         if found is None:
@@ -623,13 +634,14 @@ class TransactionService:
                       f"{dead.properties.get(Prop.UNIQ_KEY, '?')}), undelivered; it cannot be resumed (its half is "
                       f"gone): `admin show-msg {where}` shows it; to deliver it, send its body and keys to "
                       f"{dead.properties.get(Prop.REAL_TOPIC, '?')}", "commit-after-dead")
-        self._count(reply, group, half_offset)
+        self._count(reply, group, half_offset, where)
         return reply.code, reply.remark
 
-    def _commit_after_dead(self, reply: Reply, group: str, half_offset: int | None) -> None:
+    def _commit_after_dead(self, reply: Reply, group: str, half_offset: int | None, dead_letter: str = "") -> None:
         """A COMMIT for a dead-lettered transaction: its producer committed, its message sits on the dead-letter
         topic. Said among the conflicts alone (one line a 10 s for all), nobody knew which to resume: counted apart
-        (alert TxmqCommitAfterDeadLetter) and said with the resume it needs, once a minute a transaction."""
+        (alert TxmqCommitAfterDeadLetter) and said with the resume it needs, once a minute a transaction.
+        ``dead_letter``: the dead letter's id when retention removed the half (no resume: named by that id)."""
         metrics = self.ctx.metrics
         metrics.child(metrics.commits_after_dead, group).inc()
         said = self._dead_commit_said
@@ -641,19 +653,27 @@ class TransactionService:
             unsaid = self._dead_commits_unsaid
             if half_offset in unsaid or len(unsaid) < _UNSAID_MAX:
                 unsaid[half_offset] = group
+                if dead_letter:
+                    self._dead_commits_removed[half_offset] = dead_letter
             else:
                 self._dead_commits_unsaid_more += 1
 
     def say_unsaid_dead_commits(self, now: bool = False) -> None:
         """Name in one ERROR the dead-lettered transactions committed past the lines a minute (_commit_after_dead),
         once that minute is over; from the snapshot loop. ``now``: whatever the minute (the stop: the loop is over)."""
-        unsaid, more = self._dead_commits_unsaid, self._dead_commits_unsaid_more
+        unsaid, more, removed = self._dead_commits_unsaid, self._dead_commits_unsaid_more, self._dead_commits_removed
         if not (unsaid or more) or (self._dead_commit_said.full() and not now):
             return
-        self._dead_commits_unsaid, self._dead_commits_unsaid_more = {}, 0
+        self._dead_commits_unsaid, self._dead_commits_unsaid_more, self._dead_commits_removed = {}, 0, {}
+        # (one whose half retention removed cannot be resumed -- `admin resume` refuses an offset below the log --:
+        # named by its dead letter, which is all that is left of its message)
         log.error("%d more transactions already dead-lettered were committed by their producers (groups %s); each "
-                  "is on the dead-letter topic until `admin resume OFFSET` checks it again; offsets: %s%s",
-                  len(unsaid) + more, ", ".join(sorted(set(unsaid.values()))[:20]), " ".join(map(str, unsaid)),
+                  "is on the dead-letter topic until `admin resume OFFSET` checks it again%s; offsets: %s%s",
+                  len(unsaid) + more, ", ".join(sorted(set(unsaid.values()))[:20]),
+                  "; one marked removed cannot be resumed (its half was removed by retention): `admin show-msg ID` "
+                  "shows its dead letter, send its body and keys to its topic to deliver it" if removed else "",
+                  " ".join(f"{off} (removed: dead letter {removed[off]})" if off in removed else str(off)
+                           for off in unsaid),
                   f" (and {more} more, not kept: see txmq_transaction_commits_after_dead_letter_total)" if more else "")
 
     @staticmethod
@@ -1315,25 +1335,25 @@ class TransactionService:
         owner = found[1].properties.get(P_OWNER, "") if found is not None else ""
         return owner if plain_owner(owner) else ""
 
-    async def _dead_letter_of(self, half_offset: int, uniq: str, what: str, lost: str):
+    async def _dead_letter_of(self, half_offset: int, uniq: str, what: str, lost: str, warn=log.warning):
         """(commit-log offset, MessageExt) of the newest dead letter of the half at ``half_offset``, found by the
         message index (``TRANS_CHECK_MAX_TIME_TOPIC#UNIQ_KEY``, newest first) and matched by the half offset it
         names; None when none is. ``what`` (the lookup's purpose) and ``lost`` (what not finding it costs) make its
-        WARNINGs when the lookup could not see it all."""
+        WARNINGs (through ``warn``: gated on the END path) when the lookup could not see it all."""
         index = self.ctx.index
         if index is None:
             return None
         try:
             looked = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
         except (StoreError, OSError) as exc:        # the broker is stopping
-            log.warning("%s: its dead letter not looked up (%s): %s", what, exc, lost)
+            warn("%s: its dead letter not looked up (%s): %s", what, exc, lost)
             return None
         for phy in looked.found:    # newest first: a transaction dead-lettered again after a resume
             try:
                 view = self.ctx.store.get_record(phy)
                 dead = decode_record(view)[0] if view is not None else None
             except Exception as exc:  # noqa: BLE001 - damaged (as _half_at): the lookup is a help, not the resume
-                log.warning("%s: the dead letter the message index names at %d does not decode (%s): passed over",
+                warn("%s: the dead letter the message index names at %d does not decode (%s): passed over",
                             what, phy, exc)
                 continue
             if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half_offset:
@@ -1341,13 +1361,13 @@ class TransactionService:
         if index.partial:
             # Answered from a prefix of the log (catching up at start-up, or stopped by a write error): its dead
             # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid.
-            log.warning("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): "
+            warn("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): "
                         "%s", what, "stopped by a write error" if index.stopped else "is catching up", index.covered,
                         lost)
         elif looked.cut:
             # The lookup read max_checks records of the key's hash and stopped (other keys with the same
             # String.hashCode, which any client can send in any topic): unsaid, the checks went to the group in turn.
-            log.warning("%s: its dead letter not looked up in the whole index (the lookup stopped after %d records "
+            warn("%s: its dead letter not looked up in the whole index (the lookup stopped after %d records "
                         "of its key's String.hashCode, other keys share it): %s", what, index.max_checks, lost)
         return None
 
