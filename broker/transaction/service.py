@@ -135,6 +135,10 @@ class TransactionService:
         # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
         # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
         self._end_lookup_said = EveryKey(10, clock=lambda: ctx.monotonic() / 1000)
+        # ... and those lookups, one at a time: each is a job on the message index's one thread (~110 ms for a key
+        # sharing its String.hashCode with 4,096 records), and 1,024 oneway ENDs in flight on one connection queued
+        # as many at once, the indexing of new records and every QUERY_MESSAGE behind them.
+        self._end_lookups = asyncio.Semaphore(1)
         # ... and those past the 20, named together once the minute is over (say_unsaid_dead_commits): half offset
         # -> group, at most _UNSAID_MAX (the rest counted), each named once
         self._dead_commits_unsaid: dict[int, str] = {}
@@ -617,11 +621,12 @@ class TransactionService:
             if self._end_lookup_said.due("lookup"):
                 log.warning(fmt + " (said at most every 10 s; such COMMITs are counted in "
                             "txmq_requests_refused_total{reason=\"end-half-removed\"})", *args)
-        for key in dict.fromkeys(k for k in keys if k and len(k) <= _KEY_CHARS_MAX):
-            found = await self._dead_letter_of(half_offset, key, f"COMMIT of the transaction at {half_offset}",
-                                               "the COMMIT is refused as for no half, its message not found", warn)
-            if found is not None:
-                break
+        async with self._end_lookups:
+            for key in dict.fromkeys(k for k in keys if k and len(k) <= _KEY_CHARS_MAX):
+                found = await self._dead_letter_of(half_offset, key, f"COMMIT of the transaction at {half_offset}",
+                                                   "the COMMIT is refused as for no half, its message not found", warn)
+                if found is not None:
+                    break
         if found is None:
             return refused.code, refused.remark
         phy, dead = found

@@ -968,6 +968,40 @@ async def test_commits_naming_removed_halves_whose_lookup_could_not_see_it_all_a
         await ctx.store._store.close()
 
 
+@bounded(20)
+async def test_commits_naming_removed_halves_look_their_dead_letters_up_one_at_a_time(tmp_path):
+    """Each COMMIT naming an offset below the log queues a query on the message index's one thread (two: its
+    transactionId and its msgId). A query of a key sharing its String.hashCode with 4,096 stored records holds that
+    thread ~110 ms; 1,024 oneway ENDs in flight on one connection queued them all at once, the indexing of new
+    records and every client's QUERY_MESSAGE behind them. Those lookups now go one at a time: the ENDs wait their
+    turn (each is still answered, its dead letter still found), the index thread's queue holds one of them."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    running, most, asked = [0], [0], [0]
+
+    class Index:
+        partial = stopped = False
+
+        async def query(self, topic, key, max_num, begin, end):
+            running[0] += 1
+            asked[0] += 1
+            most[0] = max(most[0], running[0])
+            for _ in range(3):
+                await asyncio.sleep(0)      # the index thread's turn
+            running[0] -= 1
+            return QueryResult([], 0, 0, False)
+    ctx.index = Index()
+    tx._half_removed = lambda offset: 0 <= offset < 1 << 40
+    try:
+        answers = await asyncio.gather(*(tx.end(off, COMMIT, group="PG", table_offset=0, from_check=False,
+                                                keys=(f"K{off}", f"M{off}")) for off in range(200)))
+        assert {a[1] for a in answers} == {"Find prepared transaction message failed"}
+        assert (asked[0], most[0]) == (400, 1)
+    finally:
+        await ctx.store._store.close()
+
+
 async def test_late_commits_of_removed_halves_past_the_lines_a_minute_are_named_by_their_dead_letters(
         tmp_path, caplog):
     """A late COMMIT of a half retention removed is said at ERROR with its dead letter's id (it cannot be resumed:
