@@ -915,9 +915,7 @@ class TransactionService:
         # back on a new connection, and it is asked first again.
         if owner is not None and ((not tx.unanswered and not silent(owner, tx.group)) or not channels):
             if self._has_room(owner, tx.group, size):
-                if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
-                    tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
-                return self._take(tx, owner, size, "")
+                return self._take_sender(tx, owner, channels, size)
             why = "sender-busy"
         elif owner is not None:
             why = "sender-unanswered" if tx.unanswered else "sender-silent"
@@ -927,6 +925,11 @@ class TransactionService:
         # open) only when none of them has room: asked in turn with the others, each check it took waited a
         # (doubled) interval before another producer was asked.
         for hushed in (False, True):
+            if hushed and why == "sender-silent" and self._has_room(owner, tx.group, size):
+                # Every producer with room is silent too: its sender first, as when it answered (the one that
+                # knows the transaction, should it answer). In turn with the others, another hung instance was
+                # asked about a transaction it never began.
+                return self._take_sender(tx, owner, channels, size)
             for _ in range(len(channels)):
                 self._rr += 1
                 conn = channels[self._rr % len(channels)].conn
@@ -935,6 +938,12 @@ class TransactionService:
         if not self._full(tx.group, channels):
             self._slice_short.add(tx.group)
         return BUSY
+
+    def _take_sender(self, tx: Tx, owner, channels, size: int):
+        """``tx``'s check given to its sender ``owner`` (_channel_for)."""
+        if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
+            tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
+        return self._take(tx, owner, size, "")
 
     def _full(self, group: str, channels) -> bool:
         """Note ``group`` full for the rest of the slice when none of its producers has a check slot (each at its
