@@ -91,7 +91,7 @@ class BrokerConfig:
     max_queue_locks_per_connection: int = setting(20000, "Queue locks one connection may hold at once (a Java client process shares one connection per broker between all its consumers: its orderly groups x the queues of this broker each is given). Past it a new lock is refused as past max_queue_locks, so one connection cannot take the whole table from every other client.")
     # ---- transactions
     transaction_check_interval_ms: int = setting(60000, "How often undecided transactions are checked (RocketMQ's transactionCheckInterval).")
-    transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message.")
+    transaction_timeout_ms: int = setting(6000, "Immunity: age before the first check; CHECK_IMMUNITY_TIME_IN_SECONDS overrides it per message (never below 1 s, or this when lower).")
     transaction_check_in_flight_max: int = setting(2000, "Checks one producer connection may have unanswered at once for one producer group (a Java process shares its connection between its producers and queues each one's checks apart); past it (or while that producer is not reading what the broker sends) the group's due transactions wait, no check spent, until answers come back. A stock Java producer holds 2000 checks (checkRequestHoldMax) and drops the rest; sending 50000 at once after a restart would spend checks nobody could answer.")
     transaction_check_max: int = setting(15, "Checks before an undecided transaction goes to TRANS_CHECK_MAX_TIME_TOPIC.")
     transaction_retention_hours: float = setting(72.0, "Undecided half messages older than this are expired to the dead-letter topic.")

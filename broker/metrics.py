@@ -232,7 +232,8 @@ class BrokerMetrics:
         self.checks_rerouted = Counter("txmq_transaction_checks_rerouted",
                                        "Checks sent to another producer of the group than the half's sender, by why "
                                        "(sender-busy: at its in-flight cap; sender-unanswered: its last check went "
-                                       "unanswered; sender-gone: not connected; sender-left: unregistered the "
+                                       "unanswered; sender-silent: a check of another of its transactions went "
+                                       "unanswered, none answered since; sender-gone: not connected; sender-left: unregistered the "
                                        "group; sender-unknown: not known, e.g. a half stored just before a crash).",
                                        ["producer_group", "reason"], registry=r)
         self.producers_silent = Counter("txmq_transaction_producers_silent",

@@ -48,7 +48,8 @@ def end_transaction(ctx, conn, cmd):
     later = Answer(ctx, conn, cmd, partial(_end_reply, cmd, ctx))
     try:
         answer = ctx.tx.end(half_offset, op, group=group, table_offset=table_offset, from_check=from_check,
-                            later=later, conn=conn)
+                            later=later, conn=conn,
+                            keys=(cmd.str_field("transactionId", ""), cmd.str_field("msgId", "")))
     except BaseException:
         conn.release()                  # answered by the connection's error reply, not by ``later``
         raise

@@ -21,6 +21,12 @@ log = logging.getLogger("txmq.transaction")
 # Consecutive unanswered checks stretch the interval 2x, 4x, then stay at 4x, so
 # a hung producer is not stormed, while a producer that answers is asked on time.
 MAX_BACKOFF = 4
+# The least immunity a half's CHECK_IMMUNITY_TIME_IN_SECONDS gives (0 is the only value below it): taken as it is,
+# "0" had the first check sent ~15 ms after the half was stored, while its producer's local transaction still ran,
+# and a listener that found no row yet answered ROLLBACK before the COMMIT came (the message lost). RocketMQ 4.9.8
+# checks a half at its next pass at the earliest (transactionCheckInterval). The broker's own
+# transaction_timeout_ms, when lower, is the floor instead: an operator's choice, not a producer's.
+IMMUNITY_FLOOR_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -39,12 +45,13 @@ def first_check_time(policy: Policy, store_ts: int, immunity_s: str | None) -> i
     """Immunity: CHECK_IMMUNITY_TIME_IN_SECONDS when Long.parseLong reads it (RocketMQ's getLong) as non-negative,
     else the default; never past the retention (the half is expired by then; a 321-digit value made the check
     timer's delay overflow). Read by int(), " 600" and "1_000" (which RocketMQ's broker takes for no value: the
-    default) held a half's first check back 10 and 16 minutes instead of the default's 6 s."""
+    default) held a half's first check back 10 and 16 minutes instead of the default's 6 s. Never below
+    IMMUNITY_FLOOR_MS (or the default, when that is lower)."""
     immunity = policy.timeout_ms
     if immunity_s:
         value = java_int(immunity_s, 64)
         if isinstance(value, int) and value >= 0:
-            immunity = value * 1000
+            immunity = max(value * 1000, min(IMMUNITY_FLOOR_MS, policy.timeout_ms))
     return store_ts + min(immunity, max(policy.retention_ms, policy.timeout_ms))
 
 

@@ -65,6 +65,8 @@ DEAD_LETTER_BATCH_BYTES = 4 << 20
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 _FOREVER = (1 << 63) - 1         # a message-index query over all time
+# An END's transactionId or msgId longer than this is no UNIQ_KEY (32 hex digits): not looked up in the index
+_KEY_CHARS_MAX = 128
 
 log = logging.getLogger("txmq.transaction")
 
@@ -130,10 +132,19 @@ class TransactionService:
         # The times not said are counted by key (at most _SILENT_KEYS_MAX keys) and given in its next line.
         self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
         self._silent_unsaid: dict[str, int] = {}
+        # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
+        # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
+        self._end_lookup_said = EveryKey(10, clock=lambda: ctx.monotonic() / 1000)
+        # ... and those lookups, one at a time: each is a job on the message index's one thread (~110 ms for a key
+        # sharing its String.hashCode with 4,096 records), and 1,024 oneway ENDs in flight on one connection queued
+        # as many at once, the indexing of new records and every QUERY_MESSAGE behind them.
+        self._end_lookups = asyncio.Semaphore(1)
         # ... and those past the 20, named together once the minute is over (say_unsaid_dead_commits): half offset
         # -> group, at most _UNSAID_MAX (the rest counted), each named once
         self._dead_commits_unsaid: dict[int, str] = {}
         self._dead_commits_unsaid_more = 0
+        # ... of which those whose half retention removed: half offset -> its dead letter's id (no resume for them)
+        self._dead_commits_removed: dict[int, str] = {}
         self.check_cap = c.transaction_check_in_flight_max
         self._check_bytes = max(1, c.max_write_buffer // 4)    # check bytes one slice may queue to a connection
         self._slice_bytes: dict = {}
@@ -534,10 +545,11 @@ class TransactionService:
 
     # ------------------------------------------------------------ decisions
     def end(self, half_offset: int, op: str, *, group: str, table_offset: int, from_check: bool, later=None,
-            conn=None):
+            conn=None, keys: tuple[str, ...] = ()):
         """An END_TRANSACTION (parsed by its processor): (code, remark) now, or an awaitable of it; or, when
         ``later`` (an Answer of (code, remark) results) is given and the decision is written at once, None:
-        the store's writer hands ``later`` the answer."""
+        the store's writer hands ``later`` the answer. ``keys``: the END's transactionId and msgId (a stock
+        producer's are its half's UNIQ_KEY), by which a COMMIT of a half retention removed finds its dead letter."""
         metrics = self.ctx.metrics
         tx = self.pending.get(half_offset)
         if from_check and tx is not None and tx.group == group:    # another group's answer is refused below
@@ -553,6 +565,8 @@ class TransactionService:
             self.timer.wake()
         if isinstance(action, Reply):
             self._count(action, group, half_offset)
+            if action.event == "no-half" and op == COMMIT and self._half_removed(half_offset) and any(keys):
+                return self._commit_after_removed(half_offset, group, keys, action)
             return action.code, action.remark
         if isinstance(action, Write):       # claimed now, before any other request is handled
             done = self._claim(action.tx)
@@ -567,7 +581,7 @@ class TransactionService:
             return None
         return self._answer(self.decide(half_offset, op, group=group, origin=origin, queue_offset=table_offset))
 
-    def _count(self, reply: Reply, group: str, half_offset: int | None = None) -> None:
+    def _count(self, reply: Reply, group: str, half_offset: int | None = None, dead_letter: str = "") -> None:
         metrics = self.ctx.metrics
         if reply.event == "not-its-half":   # another group's END, or a wrong offset: refused, counted by reason
             metrics.refused.labels("end-not-its-half").inc()
@@ -578,20 +592,61 @@ class TransactionService:
             # was lost with only a log line; counted, a producer ending transactions it cannot have is seen. One
             # below the log's first offset is counted apart: retention removed its half (a producer deciding very
             # late, after the dead letter), not an END naming something that was never a half.
-            removed = half_offset is not None and 0 <= half_offset < self.ctx.store.min_physical_offset
+            removed = half_offset is not None and self._half_removed(half_offset)
             metrics.refused.labels("end-half-removed" if removed else "end-no-half").inc()
             return
         if reply.event == "commit-after-dead":
-            self._commit_after_dead(reply, group, half_offset)
+            self._commit_after_dead(reply, group, half_offset, dead_letter)
         counter = {"unknown": metrics.unknowns, "duplicate": metrics.duplicates, "conflict": metrics.conflicts,
                    "commit-after-dead": metrics.conflicts}.get(reply.event)
         if counter is not None:
             metrics.child(counter, group).inc()
 
-    def _commit_after_dead(self, reply: Reply, group: str, half_offset: int | None) -> None:
+    def _half_removed(self, half_offset: int) -> bool:
+        """``half_offset`` is below the log's first offset: retention removed the segment it was in."""
+        return 0 <= half_offset < self.ctx.store.min_physical_offset
+
+    async def _commit_after_removed(self, half_offset: int, group: str, keys: tuple[str, ...],
+                                    refused: Reply) -> tuple[int, str]:
+        """A COMMIT for a half retention removed (``refused``: no half). Retention dead-letters an undecided half
+        before it removes its segment, so its producer committed a message that sits on the dead-letter topic:
+        refused as "Find prepared transaction message failed" alone (a stock client's END is oneway, nobody hears
+        it), and counted with every END naming an offset below the log, nothing said where the message was. Its
+        dead letter, found by the END's ids and matched by the half offset it names, is said as any commit after
+        a dead letter is (alert TxmqCommitAfterDeadLetter), with where it is and how to deliver it."""
+        found = None
+
+        def warn(fmt, *args) -> None:
+            # (any client can send such COMMITs, oneway, at will: one line a 10 s for them all, not one a lookup)
+            if self._end_lookup_said.due("lookup"):
+                log.warning(fmt + " (said at most every 10 s; such COMMITs are counted in "
+                            "txmq_requests_refused_total{reason=\"end-half-removed\"})", *args)
+        async with self._end_lookups:
+            for key in dict.fromkeys(k for k in keys if k and len(k) <= _KEY_CHARS_MAX):
+                found = await self._dead_letter_of(half_offset, key, f"COMMIT of the transaction at {half_offset}",
+                                                   "the COMMIT is refused as for no half, its message not found", warn)
+                if found is not None:
+                    break
+        if found is None:
+            return refused.code, refused.remark
+        phy, dead = found
+        reason = parse_dead_letter(dead)[1] or "?"
+        where = offset_msg_id(self.ctx.store_host, phy)
+        # (the prefix "transaction already " gates the END's own refusal line: one a 10 s, as the other conflicts)
+        reply = Reply(ResponseCode.TRANSACTION_FAILED,
+                      f"transaction already DEAD (dead-lettered, {reason}) and its half at {half_offset} removed by "
+                      f"retention; COMMIT refused: its message is on {DEAD_TOPIC} as {where} (UNIQ_KEY "
+                      f"{dead.properties.get(Prop.UNIQ_KEY, '?')}), undelivered; it cannot be resumed (its half is "
+                      f"gone): `admin show-msg {where}` shows it; to deliver it, send its body and keys to "
+                      f"{dead.properties.get(Prop.REAL_TOPIC, '?')}", "commit-after-dead")
+        self._count(reply, group, half_offset, where)
+        return reply.code, reply.remark
+
+    def _commit_after_dead(self, reply: Reply, group: str, half_offset: int | None, dead_letter: str = "") -> None:
         """A COMMIT for a dead-lettered transaction: its producer committed, its message sits on the dead-letter
         topic. Said among the conflicts alone (one line a 10 s for all), nobody knew which to resume: counted apart
-        (alert TxmqCommitAfterDeadLetter) and said with the resume it needs, once a minute a transaction."""
+        (alert TxmqCommitAfterDeadLetter) and said with the resume it needs, once a minute a transaction.
+        ``dead_letter``: the dead letter's id when retention removed the half (no resume: named by that id)."""
         metrics = self.ctx.metrics
         metrics.child(metrics.commits_after_dead, group).inc()
         said = self._dead_commit_said
@@ -603,19 +658,27 @@ class TransactionService:
             unsaid = self._dead_commits_unsaid
             if half_offset in unsaid or len(unsaid) < _UNSAID_MAX:
                 unsaid[half_offset] = group
+                if dead_letter:
+                    self._dead_commits_removed[half_offset] = dead_letter
             else:
                 self._dead_commits_unsaid_more += 1
 
     def say_unsaid_dead_commits(self, now: bool = False) -> None:
         """Name in one ERROR the dead-lettered transactions committed past the lines a minute (_commit_after_dead),
         once that minute is over; from the snapshot loop. ``now``: whatever the minute (the stop: the loop is over)."""
-        unsaid, more = self._dead_commits_unsaid, self._dead_commits_unsaid_more
+        unsaid, more, removed = self._dead_commits_unsaid, self._dead_commits_unsaid_more, self._dead_commits_removed
         if not (unsaid or more) or (self._dead_commit_said.full() and not now):
             return
-        self._dead_commits_unsaid, self._dead_commits_unsaid_more = {}, 0
+        self._dead_commits_unsaid, self._dead_commits_unsaid_more, self._dead_commits_removed = {}, 0, {}
+        # (one whose half retention removed cannot be resumed -- `admin resume` refuses an offset below the log --:
+        # named by its dead letter, which is all that is left of its message)
         log.error("%d more transactions already dead-lettered were committed by their producers (groups %s); each "
-                  "is on the dead-letter topic until `admin resume OFFSET` checks it again; offsets: %s%s",
-                  len(unsaid) + more, ", ".join(sorted(set(unsaid.values()))[:20]), " ".join(map(str, unsaid)),
+                  "is on the dead-letter topic until `admin resume OFFSET` checks it again%s; offsets: %s%s",
+                  len(unsaid) + more, ", ".join(sorted(set(unsaid.values()))[:20]),
+                  "; one marked removed cannot be resumed (its half was removed by retention): `admin show-msg ID` "
+                  "shows its dead letter, send its body and keys to its topic to deliver it" if removed else "",
+                  " ".join(f"{off} (removed: dead letter {removed[off]})" if off in removed else str(off)
+                           for off in unsaid),
                   f" (and {more} more, not kept: see txmq_transaction_commits_after_dead_letter_total)" if more else "")
 
     @staticmethod
@@ -845,21 +908,28 @@ class TransactionService:
             self._slice_gone.add(tx.group)
             return None                 # (before the half is read for its size: nobody to ask costs nothing)
         size = self._check_size(tx)
-        if owner is not None and (not tx.unanswered or not channels):
+        silent = self.core.unanswered_checks
+        # A sender known silent (a check of another of its transactions came due unanswered, none answered since)
+        # is asked first no more than one whose own check went unanswered: asked first, each new transaction of a
+        # hung sender waited a doubled interval before a producer that answers was asked. It answers, or comes
+        # back on a new connection, and it is asked first again.
+        if owner is not None and ((not tx.unanswered and not silent(owner, tx.group)) or not channels):
             if self._has_room(owner, tx.group, size):
-                if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
-                    tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
-                return self._take(tx, owner, size, "")
+                return self._take_sender(tx, owner, channels, size)
             why = "sender-busy"
         elif owner is not None:
-            why = "sender-unanswered"
+            why = "sender-unanswered" if tx.unanswered else "sender-silent"
         if not channels:
             return None                 # its sender has no room and no other is registered: after an interval
         # Producers that answer first, in turn; one that left its last checks unanswered (hung, its connection
         # open) only when none of them has room: asked in turn with the others, each check it took waited a
         # (doubled) interval before another producer was asked.
-        silent = self.core.unanswered_checks
         for hushed in (False, True):
+            if hushed and why == "sender-silent" and self._has_room(owner, tx.group, size):
+                # Every producer with room is silent too: its sender first, as when it answered (the one that
+                # knows the transaction, should it answer). In turn with the others, another hung instance was
+                # asked about a transaction it never began.
+                return self._take_sender(tx, owner, channels, size)
             for _ in range(len(channels)):
                 self._rr += 1
                 conn = channels[self._rr % len(channels)].conn
@@ -868,6 +938,12 @@ class TransactionService:
         if not self._full(tx.group, channels):
             self._slice_short.add(tx.group)
         return BUSY
+
+    def _take_sender(self, tx: Tx, owner, channels, size: int):
+        """``tx``'s check given to its sender ``owner`` (_channel_for)."""
+        if owner is not owner_of(tx):   # a claimant of its sender's id: the next check asks the next one
+            tx.asked_seq = next(ch.seq for ch in channels if ch.conn is owner)
+        return self._take(tx, owner, size, "")
 
     def _full(self, group: str, channels) -> bool:
         """Note ``group`` full for the rest of the slice when none of its producers has a check slot (each at its
@@ -1260,45 +1336,54 @@ class TransactionService:
 
     async def _dead_letter_sender(self, half) -> str:
         """The sender its dead letter names (the broker's Tx.owner_id when it was dead-lettered), found by the
-        message index (``TRANS_CHECK_MAX_TIME_TOPIC#UNIQ_KEY``, newest first); "" when none does (the half's own
-        mark then: tx_from_half). A stock Java producer's first halves carry no mark (sent before its first
-        heartbeat, a sender record names them): rebuilt from the half alone, a resumed one's checks went to the
-        group's producers in turn, other instances asked about a transaction they never began."""
-        uniq, index = half.properties.get(Prop.UNIQ_KEY), self.ctx.index
-        if not uniq or index is None:
+        message index (_dead_letter_of); "" when none does (the half's own mark then: tx_from_half). A stock Java
+        producer's first halves carry no mark (sent before its first heartbeat, a sender record names them):
+        rebuilt from the half alone, a resumed one's checks went to the group's producers in turn, other
+        instances asked about a transaction they never began."""
+        uniq = half.properties.get(Prop.UNIQ_KEY)
+        if not uniq:
             return ""
+        found = await self._dead_letter_of(
+            half.physical_offset, uniq, f"resume of the transaction at {half.physical_offset}",
+            "its checks ask the sender its half names, if any, else the group's producers in turn")
+        owner = found[1].properties.get(P_OWNER, "") if found is not None else ""
+        return owner if plain_owner(owner) else ""
+
+    async def _dead_letter_of(self, half_offset: int, uniq: str, what: str, lost: str, warn=log.warning):
+        """(commit-log offset, MessageExt) of the newest dead letter of the half at ``half_offset``, found by the
+        message index (``TRANS_CHECK_MAX_TIME_TOPIC#UNIQ_KEY``, newest first) and matched by the half offset it
+        names; None when none is. ``what`` (the lookup's purpose) and ``lost`` (what not finding it costs) make its
+        WARNINGs (through ``warn``: gated on the END path) when the lookup could not see it all."""
+        index = self.ctx.index
+        if index is None:
+            return None
         try:
             looked = await index.query(DEAD_TOPIC, uniq, 8, 0, _FOREVER)
         except (StoreError, OSError) as exc:        # the broker is stopping
-            log.warning("resume of the transaction at %d: its dead letter not looked up (%s): its checks ask the "
-                        "sender its half names, if any, else the group's producers in turn", half.physical_offset, exc)
-            return ""
+            warn("%s: its dead letter not looked up (%s): %s", what, exc, lost)
+            return None
         for phy in looked.found:    # newest first: a transaction dead-lettered again after a resume
             try:
                 view = self.ctx.store.get_record(phy)
                 dead = decode_record(view)[0] if view is not None else None
             except Exception as exc:  # noqa: BLE001 - damaged (as _half_at): the lookup is a help, not the resume
-                log.warning("resume of the transaction at %d: the dead letter the message index names at %d does "
-                            "not decode (%s): passed over", half.physical_offset, phy, exc)
+                warn("%s: the dead letter the message index names at %d does not decode (%s): passed over",
+                            what, phy, exc)
                 continue
-            if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half.physical_offset:
-                owner = dead.properties.get(P_OWNER, "")
-                return owner if plain_owner(owner) else ""
+            if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half_offset:
+                return phy, dead
         if index.partial:
             # Answered from a prefix of the log (catching up at start-up, or stopped by a write error): its dead
             # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid.
-            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole log (the message "
-                        "index %s, to offset %d): its checks ask the sender its half names, if any, else the group's "
-                        "producers in turn", half.physical_offset,
-                        "stopped by a write error" if index.stopped else "is catching up", index.covered)
+            warn("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): "
+                        "%s", what, "stopped by a write error" if index.stopped else "is catching up", index.covered,
+                        lost)
         elif looked.cut:
             # The lookup read max_checks records of the key's hash and stopped (other keys with the same
             # String.hashCode, which any client can send in any topic): unsaid, the checks went to the group in turn.
-            log.warning("resume of the transaction at %d: its dead letter not looked up in the whole index (the "
-                        "lookup stopped after %d records of its key's String.hashCode, other keys share it): its "
-                        "checks ask the sender its half names, if any, else the group's producers in turn",
-                        half.physical_offset, index.max_checks)
-        return ""
+            warn("%s: its dead letter not looked up in the whole index (the lookup stopped after %d records "
+                        "of its key's String.hashCode, other keys share it): %s", what, index.max_checks, lost)
+        return None
 
     # ------------------------------------------------------------ retention (broker/retention.py)
     def undecided(self, lo: int, hi: int) -> dict[int, int]:

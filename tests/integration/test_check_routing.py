@@ -412,10 +412,11 @@ async def test_a_half_whose_properties_leave_its_dead_letter_no_room_is_dead_let
 
 async def _asked_of_its_sender_before_its_first_heartbeat(b, uniq: str, resume) -> None:
     """A stock Java producer's half sent before its first heartbeat (no TXMQ_OWNER on it; a sender record names
-    it after), checked once, unanswered: dead-lettered; ``resume(b, offset)`` gets it checked again, which must ask
-    its sender alone (a second producer of the group is there) and count no reroute."""
+    it after), checked once, answered UNKNOW: dead-lettered; ``resume(b, offset)`` gets it checked again, which must ask
+    its sender alone (a second producer of the group is there) and count no reroute. The sender answers UNKNOW: one
+    that never answers is known silent, and its checks go to the others first."""
     changed = asyncio.Event()
-    sender, other = Checked(changed), Checked(changed)
+    sender, other = Answering(changed), Checked(changed)
     conn = await _raw(b, sender)                    # no heartbeat yet: the half names no sender
     peer = await _raw(b, other, "10.0.0.9@other")
     try:
@@ -589,3 +590,74 @@ async def test_a_slow_producer_that_answers_its_checks_late_is_asked_in_turn_aga
     finally:
         for conn in conns:
             conn.close()
+
+
+@bounded(90)
+async def test_a_sender_known_silent_is_not_asked_first_about_its_new_transactions(broker_factory):
+    """A sender hung with its connection open (its check listener waiting on a database that is down) left a check
+    unanswered: it is known silent. Each transaction it sent afterwards still had its first check sent to it, and
+    waited a doubled interval unanswered before the group's producer that answers was asked. The sender is now
+    asked first only while it answers: known silent, a new transaction's first check goes to one that answers."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1000",
+                       "--transaction-check-max", "1000")
+    hung, other = Listener(answers=False), Listener()
+    async with _producer(b, "other", other):
+        sender = await _producer(b, "sender", hung).start()
+        try:
+            await sender.send_in_transaction(TOPIC, b"order 1")
+            await hung.until_asked(1)               # the first check goes to the sender, which never answers
+            await other.until_asked(1)              # due again unanswered: the sender is known silent
+            assert await _metric(b, "txmq_transaction_producers_silent_total") == 1
+            await sender.send_in_transaction(TOPIC, b"order 2")
+            await other.until_asked(2)
+        finally:
+            hung.never.set()
+            await sender.shutdown()
+        assert hung.asked == [b"order 1"], hung.asked
+        assert other.asked == [b"order 1", b"order 2"], other.asked
+        assert await _metric(b, "txmq_transaction_checks_rerouted_total", 'reason="sender-silent"') == 1
+
+
+
+async def _send_half(conn, body: bytes) -> str:
+    """A half of GROUP sent on the raw connection ``conn``: its commit-log offset, as a check names it."""
+    h = SendMessageRequestHeader(GROUP, TOPIC, queue_id=0, sys_flag=SysFlag.TRANSACTION_PREPARED,
+                                 properties=properties_to_string({Prop.TRAN_MSG: "true", Prop.PGROUP: GROUP}))
+    sent = await conn.request(RemotingCommand.request(RequestCode.SEND_MESSAGE, h.to_ext_fields(v2=False), body), 5)
+    assert sent.code == ResponseCode.SUCCESS, sent.remark
+    return str(decode_offset_msg_id(sent.ext_fields["msgId"])[2])
+
+
+@bounded(90)
+async def test_a_silent_sender_is_asked_first_when_every_other_producer_is_silent_too(broker_factory):
+    """A sender known silent is passed over for a producer that answers. When every other producer of the group is
+    silent too, a new transaction's first check went to any of them in turn: another hung instance asked about a
+    transaction it never began, where before the sender itself was asked (the one that knows it, if it ever
+    answers). With nobody answering, the sender is asked first, as it was."""
+    b = broker_factory("--transaction-check-interval-ms", "300", "--transaction-timeout-ms", "1000",
+                       "--transaction-check-max", "1000")
+    changed = asyncio.Event()
+    sender, other = Checked(changed), Checked(changed)      # both hung: they record their checks, never answer
+    conn = await _raw(b, sender, "10.0.0.7@sender")
+    peer = await _raw(b, other, "10.0.0.9@other")
+    try:
+        made = await conn.request(RemotingCommand.request(RequestCode.UPDATE_AND_CREATE_TOPIC, {
+            "topic": TOPIC, "readQueueNums": 1, "writeQueueNums": 1, "perm": 6}), 5)
+        assert made.code == ResponseCode.SUCCESS, made.remark
+        await _send_half(conn, b"order 1")
+        while len(sender.asked) + len(other.asked) < 3:     # the sender, then the other, then due again there
+            changed.clear()
+            await changed.wait()
+        assert len(sender.asked) >= 1 and len(other.asked) >= 1, (sender.asked, other.asked)
+        assert await _metric(b, "txmq_transaction_producers_silent_total") == 2     # both known silent
+        firsts = []
+        for i in range(2, 6):
+            offset = await _send_half(conn, b"order %d" % i)
+            while offset not in sender.asked and offset not in other.asked:
+                changed.clear()
+                await changed.wait()
+            firsts.append("sender" if offset in sender.asked else "other")
+        assert firsts == ["sender"] * 4, firsts
+    finally:
+        conn.close()
+        peer.close()

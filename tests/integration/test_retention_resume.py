@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -133,3 +134,41 @@ async def test_a_resume_its_producer_commits_at_the_first_check_is_not_refused(b
         assert stock.code == ResponseCode.SUCCESS, stock.remark
         assert await _drain(b.namesrv, "Paid", expect=1, timeout=30) == [b"dead-80h"]
     assert f"resume of the transaction at {half}: its half, stored 80.0 h ago" in b.log()    # said, not refused
+
+
+async def test_a_late_commit_of_a_half_retention_removed_names_its_dead_letter(broker_factory, tmp_path):
+    """A half left undecided 80 hours ago, its segment then removed by an expiry plan: expired, it is dead-lettered
+    first. Its producer's late COMMIT was refused "Find prepared transaction message failed" (a stock client's END
+    is oneway: nobody hears that), counted end-half-removed among ENDs naming anything below the log, and nothing
+    said the committed message was sitting on TRANS_CHECK_MAX_TIME_TOPIC. Its dead letter, found by the END's
+    transaction id and matched by the half offset it carries, is now named in an ERROR (how to deliver it too),
+    counted with the commits after a dead letter (alert TxmqCommitAfterDeadLetter)."""
+    past = broker_factory(*SMALL, "--transaction-timeout-ms", str(3600 * 1000), env=past_env("-80h"))
+    async with TransactionProducer(past.namesrv, "PG_old", Undecided()) as producer:
+        sent = (await producer.send_in_transaction("Paid", b"late-80h")).send_result
+    async with Producer(past.namesrv, "PG_fill") as filler:
+        await asyncio.gather(*(filler.send("Fill", b"f" * 1000) for _ in range(300)))
+    assert past.stop() == 0
+    half = decode_offset_msg_id(sent.offset_msg_id)[2]
+
+    b = broker_factory(*SMALL, *NEVER_CLEANS)
+    rc, out = _apply_plan(b, _plan(tmp_path / "store", int(time.time() * 1000)), tmp_path, "plan")
+    assert rc == 0 and out["segments_removed"], out
+    (dead,) = await _dead_letters(b, "CG_late", expect=1)
+    assert (int(dead.properties["TXMQ_HALF"]), dead.properties["TXMQ_REASON"]) == (half, "expired")
+
+    def end(half_offset: int) -> dict:
+        return {"producerGroup": "PG_old", "tranStateTableOffset": sent.queue_offset, "commitLogOffset": half_offset,
+                "commitOrRollback": "8", "fromTransactionCheck": "false", "msgId": sent.msg_id,
+                "transactionId": sent.msg_id}
+    resp = await _admin(b.broker, RequestCode.END_TRANSACTION, end(half))
+    assert resp.code == ResponseCode.TRANSACTION_FAILED, resp.remark
+    assert dead.offset_msg_id in resp.remark and "Paid" in resp.remark, resp.remark
+    said = [line for line in b.log().splitlines() if "committed a transaction already dead-lettered" in line]
+    assert len(said) == 1 and dead.offset_msg_id in said[0] and str(half) in said[0], said
+    # The same id naming another removed offset is not its dead letter: refused as before, nothing named.
+    other = await _admin(b.broker, RequestCode.END_TRANSACTION, end(half + 1))
+    assert (other.code, other.remark) == (ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed")
+    metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read())
+    assert 'txmq_transaction_commits_after_dead_letter_total{producer_group="PG_old"} 1.0' in metrics.decode()
+    assert 'txmq_requests_refused_total{reason="end-half-removed"} 2.0' in metrics.decode()

@@ -2,6 +2,7 @@
 what it refuses is no value, and the half gets the broker's transaction timeout."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from producer import LocalTransactionState as S
 from producer import TransactionProducer
 from protocol.codes import RequestCode
-from tests.integration.test_transactions import Listener, _admin
+from tests.integration.test_transactions import Listener, _admin, _drain
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -39,3 +40,41 @@ async def test_an_immunity_java_does_not_parse_gets_the_default_not_what_python_
             assert TIMEOUT_MS < wait <= 600_000, (value, wait)
         else:
             assert wait <= TIMEOUT_MS, (value, wait)
+
+
+class SlowCommit:
+    """A local transaction of 100 ms of work that commits; its check looks the row up and answers ROLLBACK when the
+    row is not there (yet), as many listeners do."""
+
+    def __init__(self):
+        self.committed: set[str] = set()
+        self.asked_while_executing = 0
+
+    async def execute_local_transaction(self, msg, arg):
+        await asyncio.sleep(0.1)        # the local transaction's own work, not a wait for the broker
+        self.committed.add(msg.properties["UNIQ_KEY"])
+        return S.COMMIT_MESSAGE
+
+    def check_local_transaction(self, msg):
+        if msg.properties["UNIQ_KEY"] in self.committed:
+            return S.COMMIT_MESSAGE
+        self.asked_while_executing += 1
+        return S.ROLLBACK_MESSAGE
+
+
+@bounded(60)
+async def test_an_immunity_of_0_is_no_check_before_the_local_transaction_can_end(broker_factory):
+    """CHECK_IMMUNITY_TIME_IN_SECONDS=0 had the first check sent ~15 ms after the half was stored, while the
+    producer's local transaction still ran: its listener found no row yet and answered ROLLBACK, the COMMIT that
+    came 100 ms later was refused (the first decision wins) and the committed message was lost. RocketMQ 4.9.8
+    checks a half at its next check pass at the earliest (transactionCheckInterval, 60 s). An immunity below
+    1 s is now 1 s (or transaction_timeout_ms, when that is lower)."""
+    b = broker_factory("--transaction-timeout-ms", str(TIMEOUT_MS), "--transaction-check-interval-ms", "1000")
+    listener = SlowCommit()
+    async with TransactionProducer(b.namesrv, "PG_immune0", listener) as producer:
+        for i in range(3):
+            await producer.send_in_transaction("TxImmune0", b"order %d" % i,
+                                               properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "0"})
+        assert sorted(await _drain(b.namesrv, "TxImmune0", expect=3, timeout=20)) == [b"order 0", b"order 1",
+                                                                                        b"order 2"]
+    assert listener.asked_while_executing == 0

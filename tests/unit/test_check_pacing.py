@@ -220,6 +220,11 @@ async def test_hostile_check_immunity_values():
     # what Long.parseLong (RocketMQ's getLong) refuses is no value: the default, as there
     for refused in ("1" + "0" * 320, " 600", "600 ", "1_000"):
         assert first_check_time(policy, 1_000, refused) == 7_000, refused
+    # 0 is a second (IMMUNITY_FLOOR_MS): checked ~15 ms after its store, a local transaction still running had its
+    # listener answer ROLLBACK before its COMMIT; the broker's own lower timeout is the floor instead
+    assert first_check_time(policy, 1_000, "0") == 2_000 and first_check_time(policy, 1_000, "2") == 3_000
+    assert first_check_time(dataclasses.replace(policy, timeout_ms=300), 1_000, "0") == 1_300
+    assert first_check_time(dataclasses.replace(policy, timeout_ms=0), 1_000, "0") == 1_000
     timer = CheckTimer(service=None, clock=lambda: 0, max_sleep_s=1.0)
     assert timer._delay(10 ** 400) == 1.0 and timer._delay(None) == 1.0
     assert timer._delay(250) == 0.25 and timer._delay(-5) == 0.0

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import random
 
-from broker.transaction.check import Policy
+from broker.transaction.check import IMMUNITY_FLOOR_MS, Policy
 from broker.transaction.core import BUSY, COMMIT, DEAD, UNKNOWN, Origin, SendCheck, TransactionCore, Tx, Write
 
 INTERVAL, IMMUNITY, MAX_CHECKS = 1_000, 6_000, 3
 POLICY = Policy(check_interval_ms=INTERVAL, timeout_ms=IMMUNITY, check_max=MAX_CHECKS, retention_ms=72 * 3600_000)
 CAP = 2
+
+
+def add_due(core: TransactionCore, tx: Tx, now: int) -> None:
+    """Index ``tx`` due at ``now``: its immunity 0 (the floor, IMMUNITY_FLOOR_MS), stored that long before."""
+    core.add(tx, immunity_s="0", stored_at=now - IMMUNITY_FLOOR_MS)
 
 
 OPS = ["half", "recovered", "decide", "expire", "tick", "answer", "producer", "joined", "closed", "resume", "finish",
@@ -236,8 +241,8 @@ def test_a_group_whose_due_check_was_decided_while_it_waited_its_turn_is_not_los
     decisions: dict[int, str] = {}
     core = TransactionCore(POLICY, decisions.get)
     now = 1_000_000
-    core.add(Tx(1, 1, "A", "T", "a0", now), immunity_s="0")
-    core.add(Tx(2, 2, "B", "T", "b0", now), immunity_s="0")
+    add_due(core, Tx(1, 1, "A", "T", "a0", now), now)
+    add_due(core, Tx(2, 2, "B", "T", "b0", now), now)
     later = Tx(3, 3, "B", "T", "b1", now)
     core.add(later, immunity_s="30")
     assert core.due(now, lambda tx: None, limit=0) == ([], [])      # both found due: the turn is [A, B]
@@ -266,7 +271,7 @@ def test_storing_a_half_reads_a_few_schedules_not_every_group_with_a_check_due()
     for g in range(groups):
         for _ in range(2):
             off += 1
-            core.add(Tx(off, off, f"G{g}", "T", "u", now), immunity_s="0")
+            add_due(core, Tx(off, off, f"G{g}", "T", "u", now), now)
     core.due(now, lambda tx: BUSY, limit=256)           # a slice of the pass: every group is in the turn
     assert len(core._turn) == groups
     reads = 0
@@ -294,7 +299,7 @@ def test_a_freed_slot_offers_room_to_its_group_alone_not_to_every_group_with_par
     for g in range(groups):
         for i in range(2):
             off = 2 * g + i + 1
-            core.add(Tx(off, off, f"G{g}", "T", f"u{off}", now), immunity_s="0")
+            add_due(core, Tx(off, off, f"G{g}", "T", f"u{off}", now), now)
 
     def channel_for(tx):
         conn = "conn-" + tx.group

@@ -22,7 +22,7 @@ from broker.store.index import QueryResult
 from broker.topics import TopicManager
 from broker.transaction import DecisionError, TransactionService
 from broker.transaction.records import COMMIT
-from protocol.message import Prop
+from protocol.message import Prop, offset_msg_id
 from tests.support.bounded import bounded
 
 pytestmark = pytest.mark.asyncio
@@ -926,6 +926,125 @@ async def test_a_resume_whose_dead_letter_lookup_was_cut_says_so(tmp_path, caplo
         said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any(m.startswith(f"resume of the transaction at {p.half_offset}: its dead letter") and "hashCode" in m
                    for m in said), said
+    finally:
+        await store.close()
+
+
+@bounded(20)
+@pytest.mark.parametrize("how", ["catching-up", "cut", "stalled"])
+async def test_commits_naming_removed_halves_whose_lookup_could_not_see_it_all_are_said_gated(tmp_path, caplog, how):
+    """A COMMIT naming an offset below the log looks its dead letter up in the message index; a lookup that could
+    not see it all (the index catching up or stopped, cut at max_checks, its thread stalled) said so at WARNING for
+    each END: any client sending oneway COMMITs with made-up offsets below the log (free: no half needed) wrote a
+    line of ~300 bytes each, 1,000 ENDs 1,000 lines. On the END path it is said once a 10 s, as the other
+    refusals any client can repeat; a resume (an operator's, one at a time) still says each."""
+    from protocol.errors import StoreError
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+
+    class Index:
+        partial = how == "catching-up"
+        stopped = False
+        covered = 0
+        max_checks = 4096
+
+        async def query(self, topic, key, max_num, begin, end):
+            if how == "stalled":
+                raise StoreError("the message index's thread has not come through in 31 s")
+            return QueryResult([], 0, 0, how == "cut")
+    ctx.index = Index()
+    tx._half_removed = lambda offset: 0 <= offset < 1 << 40     # retention removed everything below
+    try:
+        with caplog.at_level(logging.WARNING, logger="txmq.transaction"):
+            for off in range(1000):
+                answer = await tx.end(off, COMMIT, group="PG", table_offset=0, from_check=False,
+                                      keys=(f"K{off}", f"M{off}"))
+                assert answer[1] == "Find prepared transaction message failed", answer
+        said = [r.getMessage() for r in caplog.records if "dead letter not looked up" in r.getMessage()]
+        assert len(said) == 1, (len(said), said[:3])
+        assert ctx.metrics.refused.labels("end-half-removed")._value.get() == 1000
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(20)
+async def test_commits_naming_removed_halves_look_their_dead_letters_up_one_at_a_time(tmp_path):
+    """Each COMMIT naming an offset below the log queues a query on the message index's one thread (two: its
+    transactionId and its msgId). A query of a key sharing its String.hashCode with 4,096 stored records holds that
+    thread ~110 ms; 1,024 oneway ENDs in flight on one connection queued them all at once, the indexing of new
+    records and every client's QUERY_MESSAGE behind them. Those lookups now go one at a time: the ENDs wait their
+    turn (each is still answered, its dead letter still found), the index thread's queue holds one of them."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    running, most, asked = [0], [0], [0]
+
+    class Index:
+        partial = stopped = False
+
+        async def query(self, topic, key, max_num, begin, end):
+            running[0] += 1
+            asked[0] += 1
+            most[0] = max(most[0], running[0])
+            for _ in range(3):
+                await asyncio.sleep(0)      # the index thread's turn
+            running[0] -= 1
+            return QueryResult([], 0, 0, False)
+    ctx.index = Index()
+    tx._half_removed = lambda offset: 0 <= offset < 1 << 40
+    try:
+        answers = await asyncio.gather(*(tx.end(off, COMMIT, group="PG", table_offset=0, from_check=False,
+                                                keys=(f"K{off}", f"M{off}")) for off in range(200)))
+        assert {a[1] for a in answers} == {"Find prepared transaction message failed"}
+        assert (asked[0], most[0]) == (400, 1)
+    finally:
+        await ctx.store._store.close()
+
+
+async def test_late_commits_of_removed_halves_past_the_lines_a_minute_are_named_by_their_dead_letters(
+        tmp_path, caplog):
+    """A late COMMIT of a half retention removed is said at ERROR with its dead letter's id (it cannot be resumed:
+    `admin resume` refuses an offset below the log). Past the 20 lines a minute, such COMMITs were named in the
+    minute's summary line by their half offsets alone, "each is on the dead-letter topic until `admin resume
+    OFFSET` checks it again": the one thing that cannot deliver them. The summary names their dead letters."""
+    from broker.transaction.core import Reply
+    from broker.transaction.records import DEAD, DEAD_TOPIC
+    from protocol.codes import ResponseCode
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    dead_at: dict[str, int] = {}
+    halves = []
+    for i in range(25):
+        p = await add_half(ctx, b"removed-%d" % i)
+        await tx.decide(p.half_offset, DEAD, reason="expired")
+        dead_at[p.uniq_key] = store.queue_unit(DEAD_TOPIC, 0, i)[0]
+        halves.append(p)
+
+    class Index:
+        partial = stopped = False
+
+        async def query(self, topic, key, max_num, begin, end):
+            return QueryResult([dead_at[key]] if key in dead_at else [], 0, 0, False)
+    ctx.index = Index()
+    said = tx._dead_commit_said
+    ticks = [0.0]
+    said.clock = lambda: ticks[0]
+    caplog.set_level(logging.ERROR, logger="txmq")
+    refused = Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "no-half")
+    try:
+        for p in halves:
+            code, remark = await tx._commit_after_removed(p.half_offset, "PG", (p.uniq_key,), refused)
+            assert code == ResponseCode.TRANSACTION_FAILED and "removed by retention" in remark, remark
+        ticks[0] = 61.0
+        tx.say_unsaid_dead_commits()
+        (summary,) = [r.getMessage() for r in caplog.records if "more transactions already dead-lettered" in
+                      r.getMessage()]
+        for p in halves[20:]:
+            where = offset_msg_id(ctx.store_host, dead_at[p.uniq_key])
+            assert f"{p.half_offset} (removed: dead letter {where})" in summary, summary
+        assert "admin show-msg" in summary, summary
     finally:
         await store.close()
 
