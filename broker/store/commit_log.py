@@ -26,6 +26,7 @@ a half-written record.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -78,6 +79,7 @@ class CommitLog:
         self.flushed = 0
         self.flushed_ts = 0         # store timestamp of the last record below ``flushed``
         self.failed: str | None = None
+        self.failed_read_only = False   # ``failed`` by EROFS: the file system went read-only under the store
         self.on_fail: Callable[[], None] = lambda: None
         self.qoffsets: dict[tuple[str, int], int] = {}   # next queue offset per (topic, queue)
         # (slave) queues new to this log whose first record the master numbered past 0 (the slave's log began
@@ -134,11 +136,26 @@ class CommitLog:
         self.segments.append(seg)
         return seg
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, exc: BaseException | None = None) -> None:
         if self.failed is None:
             self.failed = reason
-            log.error("store stops accepting writes: %s", reason)
+            self.failed_read_only = getattr(exc, "errno", None) == errno.EROFS
+            log.error("store stops accepting writes: %s; %s", reason, self.failed_advice())
         self.on_fail()
+
+    def failed_advice(self) -> str:
+        """What to do about ``failed``: every later write is refused until a restart (the log's state past its
+        last good flush is unknown), so say which disk fault it was and that a restart is the way back."""
+        if self.failed_read_only:
+            return ("the store's file system turned read-only (remounted so by the kernel after an I/O error, as ext4 "
+                    "errors=remount-ro does): see dmesg, repair it (umount, fsck) and restart the broker; "
+                    "writes are refused until then")
+        return "an I/O error: see dmesg, fix the disk and restart the broker; writes are refused until then"
+
+    def refusal(self) -> str:
+        """A refused client's remark once the log ``failed``."""
+        return (f"service not available now: the broker's store stopped accepting writes [{self.failed}; "
+                f"{self.failed_advice()}]")
 
     # ------------------------------------------------------------ recovery and retention
     def set_end(self, phys: int, last_ts: int) -> None:

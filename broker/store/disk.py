@@ -18,6 +18,10 @@ writes resume by themselves once usage falls again. ``DiskMonitor`` is that stat
   fills the disk), and at once when one fails with ENOSPC, so a disk filled between probes
   is refused from the next write on; while refusing, ``still_refusing()`` re-probes for a
   write at most every ``RECHECK_S``, so writes resume as soon as a client tries again;
+* ``read_only``: the file system is mounted read-only (statvfs's ST_RDONLY), as ext4 with
+  errors=remount-ro leaves it after an I/O error: the first write then fails EROFS and stops
+  the store until a restart (CommitLog.fail); this says it, at ERROR once and in a gauge, for
+  an idle broker too, whose next send would be the first to find out;
 * every change of state is logged once, and ``on_change`` listeners hear it (metrics;
   the retention helper's pressure cleaning reads ``ratio`` the same way).
 
@@ -33,6 +37,7 @@ from typing import Callable
 log = logging.getLogger("txmq.store")
 
 HYSTERESIS = 0.01           # resume below refuse_ratio - 1 point: one point of a 48 MiB disk is ~0.5 MiB
+MOUNTS_CHECK_S = 5.0        # /proc/self/mountinfo is read at most this often (tens of us; more on a host of many mounts)
 PROBE_INTERVAL_S = 0.5      # well inside the 2 s in which writes must resume once space is back
 RECHECK_S = 0.05            # while refusing, a write request re-probes when the last probe is older
 
@@ -40,7 +45,8 @@ RECHECK_S = 0.05            # while refusing, a write request re-probes when the
 class DiskMonitor:
     def __init__(self, path: str, refuse_ratio: float = 0.90, *,
                  statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 mounted_read_only: Callable[[str], bool] | None = None):
         if not 0.0 < refuse_ratio <= 1.0:
             raise ValueError(f"refuse_ratio={refuse_ratio} must be in (0, 1]")
         self.path = path
@@ -51,11 +57,14 @@ class DiskMonitor:
         self.free_bytes = 0
         self.total_bytes = 0
         self.refusing = False
+        self.read_only = False      # the file system is mounted read-only (statvfs ST_RDONLY): no write can succeed
         self.refusals = 0           # write requests refused while ``refusing`` (a counter for metrics)
         self.on_change: list[Callable[[bool], None]] = []
         self._statvfs = statvfs
         self._clock = clock
         self._probed_at = float("-inf")
+        self._mounts_read_at = float("-inf")
+        self._mounted_read_only = mounted_read_only or _mounted_read_only
 
     def still_refusing(self) -> bool:
         """For a write while ``refusing``: measure again if the last probe is stale; returns ``refusing``."""
@@ -71,6 +80,20 @@ class DiskMonitor:
         except OSError as exc:
             log.warning("cannot measure the disk of %s: %s", self.path, exc)
             return self.refusing
+        read_only = bool(getattr(st, "f_flag", 0) & os.ST_RDONLY)     # (a test's stand-in may have no flags)
+        if not read_only and self._clock() - self._mounts_read_at >= MOUNTS_CHECK_S:
+            self._mounts_read_at = self._clock()
+            read_only = self._mounted_read_only(self.path)
+        elif not read_only:
+            read_only = self.read_only
+        if read_only != self.read_only:
+            self.read_only = read_only
+            if read_only:
+                log.error("the store's file system %s is read-only now (the kernel remounts it so after an I/O "
+                          "error, as ext4 errors=remount-ro does; or an operator did): every write of the store fails "
+                          "and is refused. See dmesg, repair it (umount, fsck) and restart the broker", self.path)
+            else:
+                log.warning("the store's file system %s is writable again", self.path)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         avail = st.f_bavail * st.f_frsize
         self.free_bytes = avail
@@ -137,3 +160,30 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "GiB":
             break
     return f"{n:.1f} {unit}"
+
+
+def _mounted_read_only(path: str) -> bool:
+    """Whether the mount holding ``path`` is read-only by /proc/self/mountinfo: its mount or super-block options
+    "ro", or ext4's "emergency_ro". Linux 6.x ext4 with errors=remount-ro marks itself emergency_ro after an I/O
+    error and fails every write EROFS while statvfs still says read-write (no ST_RDONLY). False where unreadable."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    path = os.path.realpath(path)
+    best, read_only = -1, False
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+        except ValueError:
+            continue
+        if sep < 6 or len(fields) < sep + 4:
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+            best = len(point)        # the last of equal length is the one on top
+            options = set(fields[5].split(",")) | set(fields[sep + 3].split(","))
+            read_only = "ro" in options or "emergency_ro" in options
+    return read_only
