@@ -127,18 +127,17 @@ class DiskMonitor:
                 log.exception("disk state listener %r failed", fn)
 
     def fullness(self) -> str:
-        """How full, as df says it; the inodes too once they are the fuller (df -i)."""
-        text = f"{self.ratio * 100:.1f}% full ({human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)})"
+        """How full, as df says it; the inodes too once they are the fuller (df -i). The log's and a refused
+        client's words alike."""
+        text = f"{self.ratio * 100:.1f}% used ({human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)})"
         if self.inode_ratio > self.ratio:
-            text += f", its inodes {self.inode_ratio * 100:.1f}% used (df -i: every file takes one)"
+            text += f"; inodes {self.inode_ratio * 100:.1f}% used (df -i): every file takes one"
         return text
 
     def remark(self, why: str = "") -> str:
         """What a refused client reads: RocketMQ's opening words, then how full and where the line is."""
-        inodes = (f"; inodes {self.inode_ratio * 100:.1f}% used (df -i)" if self.inode_ratio > self.ratio else "")
         return (f"service not available now: the broker's disk is full [{why + '; ' if why else ''}"
-                f"{self.ratio * 100:.1f}% used, {human_bytes(self.free_bytes)} free of "
-                f"{human_bytes(self.total_bytes)}{inodes}; writes are refused at {self.refuse_ratio * 100:.0f}% "
+                f"{self.fullness()}; writes are refused at {self.refuse_ratio * 100:.0f}% "
                 f"and resume below {self.resume_ratio * 100:.0f}%]")
 
     def refuse(self, why: str = "") -> str:
