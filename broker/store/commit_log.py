@@ -140,7 +140,12 @@ class CommitLog:
         if self.failed is None:
             self.failed = reason
             self.failed_read_only = getattr(exc, "errno", None) == errno.EROFS
-            log.error("store stops accepting writes: %s; %s", reason, self.failed_advice())
+            # (flush async) acknowledged when copied: what no flush took to the disk may be gone with the error
+            unflushed = self.readable - self.flushed
+            lost = (f"; {unflushed} bytes of the log, offsets {self.flushed} to {self.readable}, were acknowledged "
+                    f"(flush async) and never flushed: their messages may be lost (a restart's recovery says what "
+                    f"it keeps)" if unflushed > 0 else "")
+            log.error("store stops accepting writes: %s; %s%s", reason, self.failed_advice(), lost)
         self.on_fail()
 
     def failed_advice(self) -> str:
