@@ -1,6 +1,6 @@
 """The store's file system turned read-only under a running broker, as ext4 with errors=remount-ro does after an
 I/O error: said as read-only (not full) in the log, the metrics and every refused send's remark; nothing
-acknowledged lost once the disk is repaired and the broker restarted.
+acknowledged lost through a kill -9, the disk's repair and a restart.
 
 A real broker on a 64 MiB ext4 loop device; the kernel is made to take the file system for damaged (ext4's
 trigger_fs_error) after a number of acknowledged sends, so it remounts it read-only under the broker's open
@@ -74,7 +74,7 @@ async def test_a_store_whose_file_system_turns_read_only_says_so_and_loses_nothi
                 assert b.log().count("store stops accepting writes") == 1
                 assert "turned read-only" in b.log()
                 assert len(await _bodies(b.namesrv, "RoTopic")) == ACKED      # reads go on
-            b.stop()
+            b.kill()                        # kill -9: what a crash on a failing disk leaves
             disk.repair()
             b = BrokerProcess(disk.mount_point / "store")
             b.log_path = tmp_path / "broker-2.log"
