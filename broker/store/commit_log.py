@@ -69,6 +69,11 @@ class Segment(MappedFile):
         self.written = -1       # end of the last record; -1 while unknown (sealed, not yet walked)
 
 
+READ_ONLY_ADVICE = ("the store's file system turned read-only (remounted so by the kernel after an I/O error, as ext4 "
+                    "errors=remount-ro does): see dmesg, repair it (umount, fsck) and restart the broker; "
+                    "writes are refused until then")
+
+
 class CommitLog:
     def __init__(self, directory: str, config: StoreConfig, clock: Callable[[], int]):
         self.directory = directory
@@ -152,13 +157,14 @@ class CommitLog:
         """What to do about ``failed``: every later write is refused until a restart (the log's state past its
         last good flush is unknown), so say which disk fault it was and that a restart is the way back."""
         if self.failed_read_only:
-            return ("the store's file system turned read-only (remounted so by the kernel after an I/O error, as ext4 "
-                    "errors=remount-ro does): see dmesg, repair it (umount, fsck) and restart the broker; "
-                    "writes are refused until then")
+            return READ_ONLY_ADVICE
         return "an I/O error: see dmesg, fix the disk and restart the broker; writes are refused until then"
 
-    def refusal(self) -> str:
-        """A refused client's remark once the log ``failed``."""
+    def refusal(self, why: str = "") -> str:
+        """A refused client's remark once the log ``failed``; before (a file other than the log's met the file
+        system turned read-only first: a new queue's), ``why`` and what to do about a read-only one."""
+        if self.failed is None:
+            return f"service not available now: the broker's store is read-only [{why}; {READ_ONLY_ADVICE}]"
         return (f"service not available now: the broker's store stopped accepting writes [{self.failed}; "
                 f"{self.failed_advice()}]")
 

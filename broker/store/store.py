@@ -924,6 +924,11 @@ class MessageStore:
         """Why the store stopped accepting writes, if it did."""
         return self._log.failed
 
+    def refusal(self, why: str) -> str:
+        """A refused write's remark once the store stopped (``failure``), or ``why`` a write met a read-only file
+        system (EROFS) before the log did."""
+        return self._log.refusal(why)
+
     @property
     def min_physical_offset(self) -> int:
         return self._log.min_offset

@@ -16,6 +16,7 @@ from producer import Producer
 from protocol.codes import ResponseCode
 from protocol.errors import ResponseError
 from tests.fault.test_disk_full import _bodies, _metric
+from tests.integration.test_queue_caps import _refusals
 from tests.support.broker_process import BrokerProcess
 from tests.support.tmpfs import ext4
 
@@ -68,6 +69,18 @@ async def test_a_store_whose_file_system_turns_read_only_says_so_and_loses_nothi
                     assert "read-only" in r.remark and "restart the broker" in r.remark, r.remark
                     assert "disk is full" not in r.remark, r.remark
                 assert _metric(b.metrics, "txmq_store_write_stopped") == 1
+                # a topic new to the store: its queue's file cannot be made. Before: SYSTEM_ERROR "create mapped
+                # file failed, server is busy or broken ... Read-only file system", counted queue-file-failed
+                new = Producer(b.namesrv, "PG_ro_new", retries=0)
+                await new.start()
+                try:
+                    with pytest.raises(ResponseError) as first:
+                        await new.send("RoTopicNew", b"new")
+                finally:
+                    await new.shutdown()
+                assert first.value.code == ResponseCode.SERVICE_NOT_AVAILABLE, first.value
+                assert "read-only" in first.value.remark and "restart the broker" in first.value.remark, first.value
+                assert _refusals(b, "queue-file-failed") == 0     # not the open-files limit: the store stopped
                 assert _metric(b.metrics, "txmq_store_writes_refused") == 0     # not a full disk
                 said = [line for line in b.log().splitlines() if "is read-only now" in line]
                 assert len(said) == 1 and "ERROR" in said[0], b.log()
