@@ -18,7 +18,8 @@ writes resume by themselves once usage falls again. ``DiskMonitor`` is that stat
   fills the disk), and at once when one fails with ENOSPC, so a disk filled between probes
   is refused from the next write on; while refusing, ``still_refusing()`` re-probes for a
   write at most every ``RECHECK_S``, so writes resume as soon as a client tries again;
-* ``read_only``: the file system is mounted read-only (statvfs's ST_RDONLY), as ext4 with
+* ``read_only``: the file system is mounted read-only (statvfs's ST_RDONLY, or the mount table that
+  ``read_mounts()`` reads off the event loop every ``MOUNTS_CHECK_S``), as ext4 with
   errors=remount-ro leaves it after an I/O error: the first write then fails EROFS and stops
   the store until a restart (CommitLog.fail); this says it, at ERROR once and in a gauge, for
   an idle broker too, whose next send would be the first to find out;
@@ -37,7 +38,7 @@ from typing import Callable
 log = logging.getLogger("txmq.store")
 
 HYSTERESIS = 0.01           # resume below refuse_ratio - 1 point: one point of a 48 MiB disk is ~0.5 MiB
-MOUNTS_CHECK_S = 5.0        # /proc/self/mountinfo is read at most this often (tens of us; more on a host of many mounts)
+MOUNTS_CHECK_S = 5.0        # /proc/self/mountinfo is read this often, on a worker thread (~1 us of CPU a mount)
 PROBE_INTERVAL_S = 0.5      # well inside the 2 s in which writes must resume once space is back
 RECHECK_S = 0.05            # while refusing, a write request re-probes when the last probe is older
 
@@ -64,7 +65,25 @@ class DiskMonitor:
         self._clock = clock
         self._probed_at = float("-inf")
         self._mounts_read_at = float("-inf")
+        self._table_read_only = False   # the mount table's word at its last reading (read_mounts)
+        self._table_unread = False      # said once: the table could not be read
         self._mounted_read_only = mounted_read_only or _mounted_read_only
+
+    def mounts_due(self) -> bool:
+        """Whether the mount table is due a reading (every ``MOUNTS_CHECK_S``)."""
+        return self._clock() - self._mounts_read_at >= MOUNTS_CHECK_S
+
+    def read_mounts(self) -> None:
+        """Read the mount table (blocking: a worker thread's; on a host of 10k mounts it is ~10 ms of CPU, an
+        event-loop stall every 5 s on the loop); the next ``probe()`` says what it found."""
+        self._mounts_read_at = self._clock()
+        try:
+            self._table_read_only = self._mounted_read_only(self.path)
+        except OSError as exc:
+            if not self._table_unread:
+                self._table_unread = True
+                log.warning("cannot read /proc/self/mountinfo (%s): a store file system that turns read-only without "
+                            "statvfs saying so (Linux 6.x ext4 emergency_ro) is seen only when a write fails", exc)
 
     def still_refusing(self) -> bool:
         """For a write while ``refusing``: measure again if the last probe is stale; returns ``refusing``."""
@@ -80,12 +99,9 @@ class DiskMonitor:
         except OSError as exc:
             log.warning("cannot measure the disk of %s: %s", self.path, exc)
             return self.refusing
-        read_only = bool(getattr(st, "f_flag", 0) & os.ST_RDONLY)     # (a test's stand-in may have no flags)
-        if not read_only and self._clock() - self._mounts_read_at >= MOUNTS_CHECK_S:
-            self._mounts_read_at = self._clock()
-            read_only = self._mounted_read_only(self.path)
-        elif not read_only:
-            read_only = self.read_only
+        # (a test's stand-in may have no flags). The mount table's word is read_mounts' last: never read here,
+        # on the event loop and (while refusing) a send's path
+        read_only = bool(getattr(st, "f_flag", 0) & os.ST_RDONLY) or self._table_read_only
         if read_only != self.read_only:
             self.read_only = read_only
             if read_only:
@@ -164,12 +180,9 @@ def human_bytes(n: float) -> str:
 def _mounted_read_only(path: str) -> bool:
     """Whether the mount holding ``path`` is read-only by /proc/self/mountinfo: its mount or super-block options
     "ro", or ext4's "emergency_ro". Linux 6.x ext4 with errors=remount-ro marks itself emergency_ro after an I/O
-    error and fails every write EROFS while statvfs still says read-write (no ST_RDONLY). False where unreadable."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return False
+    error and fails every write EROFS while statvfs still says read-write (no ST_RDONLY). OSError where unreadable."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
     path = os.path.realpath(path)
     best, read_only = -1, False
     for line in lines:
