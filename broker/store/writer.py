@@ -140,7 +140,7 @@ class Writer:
         """Queue a master's chunk (a ReplicaChunk) on a slave: the one write a slave's log takes."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing:
-            fut.set_result(unavailable(chunk))
+            fut.set_result(unavailable(chunk, self.clog.refusal() if self.clog.failed is not None else ""))
             return fut
         if self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(chunk, self.disk.refuse()))
