@@ -783,6 +783,10 @@ class _CorruptCollector:
                                 "while the checkpoint cannot be written (a full disk, no inodes, an I/O error; logged "
                                 "at ERROR once) or waits for queue units a full disk holds: free the disk, or the "
                                 "next start after a crash takes that much longer.", value=self.store.checkpoint_lag)
+        yield GaugeMetricFamily("txmq_store_write_stopped", "1 once the store stopped accepting writes after an "
+                                "I/O error writing or flushing the commit log (EIO, EROFS: said at ERROR with the "
+                                "error), else 0. Every send is refused SERVICE_NOT_AVAILABLE until a restart.",
+                                value=int(self.store.failure is not None))
 
     def describe(self):
         return list(self.collect())
@@ -834,6 +838,10 @@ class _DiskCollector:
                                 value=1 if d.refusing else 0)
         yield CounterMetricFamily("txmq_store_write_refusals", "Write requests refused for disk space or inodes.",
                                   value=d.refusals)
+        yield GaugeMetricFamily("txmq_store_read_only", "1 while the store's file system is mounted read-only "
+                                "(statvfs ST_RDONLY: the kernel remounts ext4 so after an I/O error with "
+                                "errors=remount-ro), else 0. Every write fails: repair the disk and restart.",
+                                value=int(d.read_only))
 
     def describe(self):
         return list(self.collect())

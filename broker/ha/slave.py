@@ -85,6 +85,7 @@ class HASlave:
         self._refused = (None, 0)               # (that offset, sessions in a row the master closed at once)
         self.cannot_catch_up: str | None = None     # why the master refuses every session (said once, a gauge)
         self.disk_full = False                  # holding the master back: this slave's disk refuses writes (said once)
+        self.store_stopped = False              # holding the master back: this slave's store stopped (said once)
 
     def slave_lag_bytes(self) -> int:
         """How far this slave's log is behind what the master last said it was sending."""
@@ -151,6 +152,19 @@ class HASlave:
             else:
                 log.warning("replication from %s resumes: this slave's disk has room again", self.master_addr)
         return full
+
+    def _store_stopped(self) -> bool:
+        """Whether this slave's store stopped accepting writes (an I/O error; its file system turned read-only):
+        until a restart. Each transfer was refused, the session failed and the slave reconnected every second for
+        ever, a WARNING each time and the master sending its log tail again; now it holds the master back as
+        while its disk is full, said at ERROR once."""
+        failure = getattr(self.store, "failure", None)
+        if failure is not None and not self.store_stopped:
+            self.store_stopped = True
+            log.error("NOT replicating from %s: this slave's store stopped accepting writes (%s): see its ERROR "
+                      "'store stops accepting writes', fix the disk and restart this broker; meanwhile it stays "
+                      "connected and holds the master's bytes back", self.master_addr, failure)
+        return failure is not None
 
     @property
     def following(self) -> bool:
@@ -227,7 +241,7 @@ class HASlave:
                         expected = phys
                     if phys != expected:
                         raise HAProtocolError(f"the master sent offset {phys}, this slave's log ends at {expected}")
-                    while self._disk_full():        # hold the master back (TCP) until there is room, following
+                    while self._disk_full() or self._store_stopped():    # hold the master back (TCP), following
                         if writer.is_closing():
                             raise ConnectionResetError("the link was lost while this slave's disk was full")
                         await asyncio.sleep(RECONNECT_S)

@@ -209,6 +209,11 @@ def _queue_file_refused(ctx, cmd, topic: str, qid: int, exc: OSError):
         # guard refuses every write from now on, not as a broken broker
         return cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE,
                             ctx.store.disk.refuse(f"consume queue {topic}-{qid}: no space for its file"))
+    if exc.errno == errno.EROFS or ctx.store.failure is not None:
+        # the store stopped, or is about to (its file system turned read-only): as every write is refused, not
+        # as a broken broker (SYSTEM_ERROR, counted queue-file-failed as if past the open-files limit)
+        return cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE,
+                            ctx.store.refusal(f"consume queue {topic}-{qid}: {exc}"))
     why = f"create mapped file failed, server is busy or broken: consume queue {topic}-{qid}: {exc}"
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

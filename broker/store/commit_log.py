@@ -26,6 +26,7 @@ a half-written record.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -68,6 +69,11 @@ class Segment(MappedFile):
         self.written = -1       # end of the last record; -1 while unknown (sealed, not yet walked)
 
 
+READ_ONLY_ADVICE = ("the store's file system turned read-only (remounted so by the kernel after an I/O error, as ext4 "
+                    "errors=remount-ro does): see dmesg, repair it (umount, fsck) and restart the broker; "
+                    "writes are refused until then")
+
+
 class CommitLog:
     def __init__(self, directory: str, config: StoreConfig, clock: Callable[[], int]):
         self.directory = directory
@@ -78,6 +84,7 @@ class CommitLog:
         self.flushed = 0
         self.flushed_ts = 0         # store timestamp of the last record below ``flushed``
         self.failed: str | None = None
+        self.failed_read_only = False   # ``failed`` by EROFS: the file system went read-only under the store
         self.on_fail: Callable[[], None] = lambda: None
         self.qoffsets: dict[tuple[str, int], int] = {}   # next queue offset per (topic, queue)
         # (slave) queues new to this log whose first record the master numbered past 0 (the slave's log began
@@ -134,11 +141,32 @@ class CommitLog:
         self.segments.append(seg)
         return seg
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, exc: BaseException | None = None) -> None:
         if self.failed is None:
             self.failed = reason
-            log.error("store stops accepting writes: %s", reason)
+            self.failed_read_only = getattr(exc, "errno", None) == errno.EROFS
+            # (flush async) acknowledged when copied: what no flush took to the disk may be gone with the error
+            unflushed = self.readable - self.flushed
+            lost = (f"; {unflushed} bytes of the log, offsets {self.flushed} to {self.readable}, were acknowledged "
+                    f"(flush async) and never flushed: their messages may be lost (a restart's recovery says what "
+                    f"it keeps)" if unflushed > 0 else "")
+            log.error("store stops accepting writes: %s; %s%s", reason, self.failed_advice(), lost)
         self.on_fail()
+
+    def failed_advice(self) -> str:
+        """What to do about ``failed``: every later write is refused until a restart (the log's state past its
+        last good flush is unknown), so say which disk fault it was and that a restart is the way back."""
+        if self.failed_read_only:
+            return READ_ONLY_ADVICE
+        return "an I/O error: see dmesg, fix the disk and restart the broker; writes are refused until then"
+
+    def refusal(self, why: str = "") -> str:
+        """A refused client's remark once the log ``failed``; before (a file other than the log's met the file
+        system turned read-only first: a new queue's), ``why`` and what to do about a read-only one."""
+        if self.failed is None:
+            return f"service not available now: the broker's store is read-only [{why}; {READ_ONLY_ADVICE}]"
+        return (f"service not available now: the broker's store stopped accepting writes [{self.failed}; "
+                f"{self.failed_advice()}]")
 
     # ------------------------------------------------------------ recovery and retention
     def set_end(self, phys: int, last_ts: int) -> None:

@@ -18,6 +18,11 @@ writes resume by themselves once usage falls again. ``DiskMonitor`` is that stat
   fills the disk), and at once when one fails with ENOSPC, so a disk filled between probes
   is refused from the next write on; while refusing, ``still_refusing()`` re-probes for a
   write at most every ``RECHECK_S``, so writes resume as soon as a client tries again;
+* ``read_only``: the file system is mounted read-only (statvfs's ST_RDONLY, or the mount table that
+  ``read_mounts()`` reads off the event loop every ``MOUNTS_CHECK_S``), as ext4 with
+  errors=remount-ro leaves it after an I/O error: the first write then fails EROFS and stops
+  the store until a restart (CommitLog.fail); this says it, at ERROR once and in a gauge, for
+  an idle broker too, whose next send would be the first to find out;
 * every change of state is logged once, and ``on_change`` listeners hear it (metrics;
   the retention helper's pressure cleaning reads ``ratio`` the same way).
 
@@ -33,6 +38,7 @@ from typing import Callable
 log = logging.getLogger("txmq.store")
 
 HYSTERESIS = 0.01           # resume below refuse_ratio - 1 point: one point of a 48 MiB disk is ~0.5 MiB
+MOUNTS_CHECK_S = 5.0        # /proc/self/mountinfo is read this often, on a worker thread (~1 us of CPU a mount)
 PROBE_INTERVAL_S = 0.5      # well inside the 2 s in which writes must resume once space is back
 RECHECK_S = 0.05            # while refusing, a write request re-probes when the last probe is older
 
@@ -40,7 +46,8 @@ RECHECK_S = 0.05            # while refusing, a write request re-probes when the
 class DiskMonitor:
     def __init__(self, path: str, refuse_ratio: float = 0.90, *,
                  statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 mounted_read_only: Callable[[str], bool] | None = None):
         if not 0.0 < refuse_ratio <= 1.0:
             raise ValueError(f"refuse_ratio={refuse_ratio} must be in (0, 1]")
         self.path = path
@@ -51,11 +58,32 @@ class DiskMonitor:
         self.free_bytes = 0
         self.total_bytes = 0
         self.refusing = False
+        self.read_only = False      # the file system is mounted read-only (statvfs ST_RDONLY): no write can succeed
         self.refusals = 0           # write requests refused while ``refusing`` (a counter for metrics)
         self.on_change: list[Callable[[bool], None]] = []
         self._statvfs = statvfs
         self._clock = clock
         self._probed_at = float("-inf")
+        self._mounts_read_at = float("-inf")
+        self._table_read_only = False   # the mount table's word at its last reading (read_mounts)
+        self._table_unread = False      # said once: the table could not be read
+        self._mounted_read_only = mounted_read_only or _mounted_read_only
+
+    def mounts_due(self) -> bool:
+        """Whether the mount table is due a reading (every ``MOUNTS_CHECK_S``)."""
+        return self._clock() - self._mounts_read_at >= MOUNTS_CHECK_S
+
+    def read_mounts(self) -> None:
+        """Read the mount table (blocking: a worker thread's; on a host of 10k mounts it is ~10 ms of CPU, an
+        event-loop stall every 5 s on the loop); the next ``probe()`` says what it found."""
+        self._mounts_read_at = self._clock()
+        try:
+            self._table_read_only = self._mounted_read_only(self.path)
+        except OSError as exc:
+            if not self._table_unread:
+                self._table_unread = True
+                log.warning("cannot read /proc/self/mountinfo (%s): a store file system that turns read-only without "
+                            "statvfs saying so (Linux 6.x ext4 emergency_ro) is seen only when a write fails", exc)
 
     def still_refusing(self) -> bool:
         """For a write while ``refusing``: measure again if the last probe is stale; returns ``refusing``."""
@@ -71,6 +99,17 @@ class DiskMonitor:
         except OSError as exc:
             log.warning("cannot measure the disk of %s: %s", self.path, exc)
             return self.refusing
+        # (a test's stand-in may have no flags). The mount table's word is read_mounts' last: never read here,
+        # on the event loop and (while refusing) a send's path
+        read_only = bool(getattr(st, "f_flag", 0) & os.ST_RDONLY) or self._table_read_only
+        if read_only != self.read_only:
+            self.read_only = read_only
+            if read_only:
+                log.error("the store's file system %s is read-only now (the kernel remounts it so after an I/O "
+                          "error, as ext4 errors=remount-ro does; or an operator did): every write of the store fails "
+                          "and is refused. See dmesg, repair it (umount, fsck) and restart the broker", self.path)
+            else:
+                log.warning("the store's file system %s is writable again", self.path)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         avail = st.f_bavail * st.f_frsize
         self.free_bytes = avail
@@ -104,18 +143,17 @@ class DiskMonitor:
                 log.exception("disk state listener %r failed", fn)
 
     def fullness(self) -> str:
-        """How full, as df says it; the inodes too once they are the fuller (df -i)."""
-        text = f"{self.ratio * 100:.1f}% full ({human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)})"
+        """How full, as df says it; the inodes too once they are the fuller (df -i). The log's and a refused
+        client's words alike."""
+        text = f"{self.ratio * 100:.1f}% used ({human_bytes(self.free_bytes)} free of {human_bytes(self.total_bytes)})"
         if self.inode_ratio > self.ratio:
-            text += f", its inodes {self.inode_ratio * 100:.1f}% used (df -i: every file takes one)"
+            text += f"; inodes {self.inode_ratio * 100:.1f}% used (df -i): every file takes one"
         return text
 
     def remark(self, why: str = "") -> str:
         """What a refused client reads: RocketMQ's opening words, then how full and where the line is."""
-        inodes = (f"; inodes {self.inode_ratio * 100:.1f}% used (df -i)" if self.inode_ratio > self.ratio else "")
         return (f"service not available now: the broker's disk is full [{why + '; ' if why else ''}"
-                f"{self.ratio * 100:.1f}% used, {human_bytes(self.free_bytes)} free of "
-                f"{human_bytes(self.total_bytes)}{inodes}; writes are refused at {self.refuse_ratio * 100:.0f}% "
+                f"{self.fullness()}; writes are refused at {self.refuse_ratio * 100:.0f}% "
                 f"and resume below {self.resume_ratio * 100:.0f}%]")
 
     def refuse(self, why: str = "") -> str:
@@ -137,3 +175,27 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "GiB":
             break
     return f"{n:.1f} {unit}"
+
+
+def _mounted_read_only(path: str) -> bool:
+    """Whether the mount holding ``path`` is read-only by /proc/self/mountinfo: its mount or super-block options
+    "ro", or ext4's "emergency_ro". Linux 6.x ext4 with errors=remount-ro marks itself emergency_ro after an I/O
+    error and fails every write EROFS while statvfs still says read-write (no ST_RDONLY). OSError where unreadable."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    path = os.path.realpath(path)
+    best, read_only = -1, False
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+        except ValueError:
+            continue
+        if sep < 6 or len(fields) < sep + 4:
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+            best = len(point)        # the last of equal length is the one on top
+            options = set(fields[5].split(",")) | set(fields[sep + 3].split(","))
+            read_only = "ro" in options or "emergency_ro" in options
+    return read_only

@@ -85,6 +85,9 @@ BACK_ROLL_EVERY_S = 600.0
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
+# Errors opening a file that say nothing of the file (a file system turned read-only, no descriptors, no memory):
+# not damage. Taken for it, a resume on an ext4 remounted read-only said every file "damaged: removing it".
+_NOT_THE_FILE = (errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
@@ -297,6 +300,8 @@ class IndexService:
             try:
                 self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
             except (IndexCorrupt, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno in _NOT_THE_FILE:
+                    raise               # the index thread's ERROR, once; at start-up the broker's (nothing removed)
                 self._drop_damaged(names[i:], str(exc))
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)

@@ -119,7 +119,7 @@ class Writer:
         raise). It is returned."""
         fut = then if then is not None else (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing or self.replica_only:
-            fut.set_result(unavailable(req, self.replica_only and _SLAVE_REMARK or ""))
+            fut.set_result(unavailable(req, self._closed_remark()))
             return fut                              # not open, closed, stopped after an I/O error, a slave
         if not reclaim and self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(req, self.disk.refuse()))
@@ -131,11 +131,16 @@ class Writer:
             w.set_result(None)
         return fut
 
+    def _closed_remark(self) -> str:
+        if self.replica_only:
+            return _SLAVE_REMARK
+        return self.clog.refusal() if self.clog.failed is not None else ""
+
     def put_replica(self, chunk) -> asyncio.Future:
         """Queue a master's chunk (a ReplicaChunk) on a slave: the one write a slave's log takes."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
         if self._task is None or self.clog.failed is not None or self._closing:
-            fut.set_result(unavailable(chunk))
+            fut.set_result(unavailable(chunk, self.clog.refusal() if self.clog.failed is not None else ""))
             return fut
         if self.disk.refusing and self.disk.still_refusing():
             fut.set_result(unavailable(chunk, self.disk.refuse()))
@@ -234,8 +239,9 @@ class Writer:
             pending = self._waiting + [w for fl in self._flushing for w in fl[3]]
             pending += [(fut, req) for req, fut in self._taken or ()]
             self._waiting, self._taken = [], None
+            remark = clog.refusal()
             for fut, res in pending:
-                resolve(fut, unavailable(res))
+                resolve(fut, unavailable(res, remark))
             for _fn, fut in self._controls:
                 if not fut.done():
                     fut.set_exception(StoreError("the store writer stopped"))
@@ -366,13 +372,14 @@ class Writer:
     def _write_failed(self, entries: list, exc: OSError) -> None:
         """Copying records into a segment failed (an I/O error: the space was reserved). As after a failed
         msync: nothing not yet flushed is acknowledged, nothing more is written or flushed."""
-        self.clog.fail(f"writing to the commit log failed: {exc}")
+        self.clog.fail(f"writing to the commit log failed: {exc}", exc)
         waiting, self._waiting, self._units, self._infos = self._waiting, [], {}, []
         self.clog.take_dirty()
+        remark = self.clog.refusal()
         for fut, res in waiting:
-            resolve(fut, unavailable(res))
+            resolve(fut, unavailable(res, remark))
         for req, fut in entries:
-            resolve(fut, unavailable(req))
+            resolve(fut, unavailable(req, remark))
 
     def _space_done(self) -> None:
         _job, settle, entry = self._space
@@ -453,14 +460,15 @@ class Writer:
         if exc is not None:
             # Nothing of this flush, nor of what was written after it, is acknowledged or made
             # readable, and nothing is flushed again: the state on disk is unknown.
-            self.clog.fail(f"msync failed: {exc}")
+            self.clog.fail(f"msync failed: {exc}", exc)
             later, self._waiting, self._units, self._infos = self._waiting, [], {}, []
             for fl in self._flushing[1:]:   # flushes after this one: in flight, but never acknowledged
                 later = fl[3] + later
             del self._flushing[:]
             self.clog.take_dirty()
+            remark = self.clog.refusal()
             for f, res in waiting + later:
-                resolve(f, unavailable(res))
+                resolve(f, unavailable(res, remark))
             return
         self.clog.flushed, self.clog.flushed_ts = end, end_ts
         if self._sync:
@@ -474,8 +482,9 @@ class Writer:
     def _drop_queue(self) -> None:
         """The log failed: refuse everything still queued."""
         queued, self._queue = self._queue, []
+        remark = self.clog.refusal()
         for req, fut in queued:
-            resolve(fut, unavailable(req))
+            resolve(fut, unavailable(req, remark))
 
 
 async def _control(fn, fut) -> None:

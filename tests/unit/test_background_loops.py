@@ -673,3 +673,48 @@ async def test_wait_within_never_loses_a_cancel_that_meets_the_result():
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=10)
     assert task in done and task.cancelled()
+
+
+@bounded(20)
+async def test_metric_snapshots_on_a_read_only_store_are_said_once_not_every_interval(tmp_path, monkeypatch, caplog):
+    """Metric snapshots (every 60 s by default, under the store) on a file system turned read-only: an ERROR
+    "metric snapshot not written: [Errno 30] Read-only file system" at every interval for ever (60 an hour), and
+    "old metric snapshot files not removed" the same while old files waited. Said once each at ERROR, DEBUG after,
+    and a WARNING once written again."""
+    from types import SimpleNamespace
+
+    from broker import server as server_mod
+    from broker.server import BrokerServer
+
+    FAILING, TURNS = 5, 8
+    calls, enough = [], asyncio.Event()
+
+    async def write_snapshot(store_dir):
+        calls.append(store_dir)
+        if len(calls) >= TURNS:
+            enough.set()
+        if len(calls) <= FAILING:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return store_dir
+
+    def prune(store_dir, keep, now_ms):
+        if len(calls) <= FAILING:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return []
+    monkeypatch.setattr(server_mod, "prune_snapshots", prune)
+    fake = SimpleNamespace(
+        config=SimpleNamespace(metrics_snapshot_retention_days=1, metrics_snapshot_interval_s=0.0),
+        ctx=SimpleNamespace(store=SimpleNamespace(disk=SimpleNamespace(still_refusing=lambda: False)),
+                            aged=lambda: 10**12),
+        metrics=SimpleNamespace(), write_snapshot=write_snapshot)
+    with caplog.at_level(logging.DEBUG, logger="txmq"):
+        task = asyncio.get_running_loop().create_task(BrokerServer._snapshots(fake, str(tmp_path)))
+        try:
+            await enough.wait()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sum("metric snapshot not written" in m for m in errors) == 1, errors
+    assert sum("old metric snapshot files not removed" in m for m in errors) == 1, errors
+    assert sum("metric snapshots written again" in r.getMessage() for r in caplog.records) == 1, caplog.text

@@ -886,6 +886,47 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
 
 
 @bounded(30)
+async def test_a_slave_whose_store_stopped_holds_the_master_back_said_once_not_a_reconnect_a_second(caplog):
+    """A slave whose store stopped accepting writes (an I/O error; its file system turned read-only) had each
+    transfer refused SERVICE_NOT_AVAILABLE with no reason: the session failed, the slave reconnected every
+    second (RECONNECT_S) for ever, a WARNING a second on the slave (3,600 an hour) and the master reading and
+    sending its log tail again each time. Now it says so at ERROR once and holds the master back on one
+    session, appending nothing, until a restart."""
+    import logging
+    from types import SimpleNamespace
+
+    from broker.ha.codec import encode_transfer
+
+    appended: list[tuple[int, int]] = []
+
+    def append_replica(phys, body):         # what a stopped store answers
+        appended.append((phys, len(body)))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(SimpleNamespace(ok=False, remark="", status=SimpleNamespace(name="SERVICE_NOT_AVAILABLE")))
+        return fut, phys + len(body)
+    disk = SimpleNamespace(refusing=False, still_refusing=lambda: False)
+    store = SimpleNamespace(max_physical_offset=0, min_physical_offset=0, is_empty=False, disk=disk,
+                            last_indexed_record=lambda: None, append_replica=append_replica,
+                            failure="writing to the commit log failed: [Errno 30] Read-only file system")
+
+    async def master(reader, writer):
+        writer.write(encode_transfer(0, b"x" * 100) + b"x" * 100)
+        await writer.drain()
+        await reader.read()
+    with caplog.at_level(logging.WARNING, logger="txmq.ha"):
+        async with _slave_of(store, master) as slave:
+            for _ in range(1000):           # until it says it, or reconnects (each after RECONNECT_S)
+                if "NOT replicating" in caplog.text or slave.sessions >= 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert appended == [] and slave.sessions == 1, (appended, slave.sessions, caplog.text)
+    said = [r for r in caplog.records if "NOT replicating" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR, caplog.text
+    assert "Read-only file system" in said[0].getMessage() and "restart" in said[0].getMessage()
+    assert "reconnecting" not in caplog.text, caplog.text
+
+
+@bounded(30)
 async def test_an_empty_slave_of_an_idle_master_restarting_twice_is_not_said_unable_to_catch_up(tmp_path, caplog):
     """An empty slave, caught up with an idle master (nothing to send: its first transfer is the heartbeat, 5 s on; 3 s here, the
     slave's housekeeping being 5 s),

@@ -389,6 +389,41 @@ async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path,
     await store.close()
 
 
+@bounded(20)
+async def test_a_resume_on_a_file_system_turned_read_only_does_not_take_the_index_files_for_damaged(
+        tmp_path, monkeypatch, caplog):
+    """A full disk stopped indexing, then the file system turned read-only (ext4 errors=remount-ro): the resume
+    read the files back, each open failed EROFS, and it was said as "index file ... is damaged: removing it and
+    rebuilding" with the file and every newer one unlinked (seen on a real ext4: three ERRORs, the removal failing
+    only because the disk was read-only; an EMFILE at that moment would have deleted every index file). An error
+    that says nothing of the file stops indexing, said once, and leaves the files as they are."""
+    store = await _store_with(tmp_path, 12)
+    svc = await _service(tmp_path, store)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 12
+    names = sorted(os.listdir(os.path.join(tmp_path, "index")))
+    svc.resume_every_s = 0
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def read_only(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    monkeypatch.setattr(IndexFile, "open", read_only)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(4):          # each query a turn of the index thread: the resume tried
+            await svc.query("T", "lost", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("damaged" in m for m in said), said
+    assert set(names) <= set(os.listdir(os.path.join(tmp_path, "index")))      # none removed
+    assert sum("indexing stops here" in m for m in said) == 2, said     # the full disk, then the read-only one
+    assert "at the next start" in said[-1] and "Read-only file system" in said[-1], said
+    assert svc.stopped
+    await svc.close()
+    await store.close()
+
+
 class _Said(logging.Handler):
     """An asyncio event set (from any thread) when a record saying ``words`` is logged."""
 

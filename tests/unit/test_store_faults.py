@@ -48,6 +48,28 @@ async def test_a_failed_msync_stops_the_store_and_acknowledges_nothing(tmp_path,
 
 
 @bounded()
+async def test_a_failed_msync_in_async_mode_says_how_much_it_acknowledged_and_never_flushed(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Before: "store stops accepting writes: msync failed: ..." and no word of the messages already acknowledged
+    (flush async) that no flush took to the disk: 200 sends acknowledged, the file system turned read-only
+    (ext4 errors=remount-ro), none of them there after fsck and a restart, and nothing had said so."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG, flush="async", flush_interval_ms=3_600_000))
+    await store.open()
+
+    def broken(ranges):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(writer, "_flush_ranges", broken)
+    acked = [await store.put(req()) for _ in range(5)]
+    assert all(r.ok for r in acked)
+    end = acked[-1].physical_offset + acked[-1].size
+    await store.close()                     # its last flush fails
+    said = [r.getMessage() for r in caplog.records if "store stops accepting writes" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"{end} bytes of the log, offsets 0 to {end}, were acknowledged (flush async) and never flushed" in said[0]
+    assert "turned read-only" in said[0] and "restart the broker" in said[0]
+
+
+@bounded()
 async def test_put_before_open_and_after_close(tmp_path):
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
     assert (await store.put(req())).status is PutStatus.SERVICE_NOT_AVAILABLE
