@@ -756,3 +756,54 @@ async def test_a_clone_of_many_offsets_is_said_in_a_line_of_bounded_length(broke
         conn.close()
     said = [line for line in broker.log_path.read_text().splitlines() if "[clone-group-offset]" in line]
     assert len(said) == 1 and "512 offsets" in said[0] and len(said[0]) < 1000, (len(said[0]), said[0][:300])
+
+
+@bounded(60)
+async def test_broker_consume_stats_lists_every_groups_progress_as_4_9_8(broker):
+    """mqadmin brokerConsumeStats sends GET_BROKER_CONSUME_STATS (317) {isOrder}: it was REQUEST_CODE_NOT_SUPPORTED
+    and the command failed. Answered as 4.9.8's fetchAllConsumeStatsInBroker: a ConsumeStatsList of each group's
+    ConsumeStats per topic it holds offsets on (write queues), a topic its online members do not read left out,
+    with isOrder only ordered topics, totalDiff the sum of broker less consumer offsets."""
+    conn = await _connect(broker.broker)
+    member = await _connect(broker.broker)
+
+    async def stats(order: bool) -> dict[str, list[dict]]:
+        """{group: [{(topic, queue id): (broker offset, consumer offset)} of each ConsumeStats]}"""
+        reply = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": order}), 10)
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        obj, _ = decode_mq_table(reply.body_bytes(), "-")       # (its MessageQueue keys made strings)
+        assert list(obj) == ["brokerAddr", "consumeStatsList", "totalDiff"]     # fastjson's order
+        assert obj["brokerAddr"] == broker.broker
+        groups = {}
+        for entry in obj["consumeStatsList"]:
+            ((group, per_topic),) = entry.items()
+            assert all(list(s) == ["consumeTps", "offsetTable"] for s in per_topic)
+            groups[group] = [{(mq["topic"], mq["queueId"]): (w["brokerOffset"], w["consumerOffset"])
+                              for mq, w in ((json.loads(k), w) for k, w in s["offsetTable"].items())}
+                             for s in per_topic]
+        assert obj["totalDiff"] == sum(b - c for stats in groups.values() for t in stats for b, c in t.values())
+        return groups
+
+    try:
+        for topic, order in (("BcsPlain", "false"), ("BcsOrder", "true"), ("Orders", "false")):
+            reply = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": topic, "readQueueNums": 2, "writeQueueNums": 2, "perm": 6, "order": order}), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+            await _send_to_queue(conn, topic, 0, 4)
+        await _commit(conn, "CG_bcs", "BcsPlain", 0, 1)
+        await _commit(conn, "CG_bcs", "BcsOrder", 0, 3)
+        await _commit(conn, "CG_bcs_online", "BcsPlain", 0, 2)
+        await _commit(conn, "CG_bcs_online", "Orders", 0, 4)
+        beat = await member.request(_consumer_heartbeat("10.0.0.9@9", "CG_bcs_online"), 5)    # reads Orders only
+        assert beat.code == ResponseCode.SUCCESS
+        groups = await stats(False)
+        assert groups["CG_bcs"] == [{("BcsOrder", 0): (4, 3), ("BcsOrder", 1): (0, 0)},
+                                    {("BcsPlain", 0): (4, 1), ("BcsPlain", 1): (0, 0)}]
+        assert groups["CG_bcs_online"] == [{("Orders", 0): (4, 4), ("Orders", 1): (0, 0)}]    # BcsPlain left out
+        assert groups["TOOLS_CONSUMER"] == []       # every group of the table, one with no offset too
+        ordered = await stats(True)
+        assert ordered["CG_bcs"] == [{("BcsOrder", 0): (4, 3), ("BcsOrder", 1): (0, 0)}]
+        assert ordered["CG_bcs_online"] == []
+    finally:
+        member.close()
+        conn.close()
