@@ -166,6 +166,9 @@ class PullConsumer:
         self._sub_version = 0           # the last heartbeat's subVersion: each one's is later (heartbeat)
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
+        # fn(jstack: bool) -> the ConsumerRunningInfo body of GET_CONSUMER_RUNNING_INFO (a push consumer's; a pull
+        # consumer has no process queues to say and answers it REQUEST_CODE_NOT_SUPPORTED)
+        self.running_info = None
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self) -> "PullConsumer":
@@ -180,10 +183,26 @@ class PullConsumer:
             self.on_ids_changed()
         elif cmd.code == RequestCode.RESET_CONSUMER_CLIENT_OFFSET:
             return self._on_reset(cmd)
+        elif cmd.code == RequestCode.GET_CONSUMER_RUNNING_INFO and self.running_info is not None:
+            return self._on_running_info(cmd)
         # Said at once: left unanswered, a broker passing on an operator's GET_CONSUMER_RUNNING_INFO or
         # CONSUME_MESSAGE_DIRECTLY waited 10 s for it, and the operator's tool gave up first.
         return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
                                                       f"txmq consumer does not serve request {cmd.code}")
+
+    @property
+    def sub_version(self) -> int:
+        """The subVersion of the subscriptions the last heartbeat carried (0 before the first)."""
+        return self._sub_version
+
+    def _on_running_info(self, cmd):
+        """GET_CONSUMER_RUNNING_INFO (mqadmin consumerStatus, consumerProgress -s, passed on by the broker): as a
+        Java consumer's ClientRemotingProcessor answers it, SYSTEM_ERROR for a group this client is not."""
+        group = cmd.ext_fields.get("consumerGroup")
+        if group != self.group:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"The Consumer Group <{group}> not exist in this consumer")
+        jstack = str(cmd.ext_fields.get("jstackEnable", "false")).lower() == "true"
+        return cmd.response(ResponseCode.SUCCESS, body=self.running_info(jstack))
 
     def _on_reset(self, cmd):
         """An operator reset the group's offsets (INVOKE_BROKER_TO_RESET_OFFSET): remember them in

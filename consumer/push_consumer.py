@@ -27,9 +27,13 @@ import asyncio
 import enum
 import inspect
 import logging
+import sys
+import threading
 import time
+import traceback
 from typing import Any, Callable
 
+from protocol.admin_bodies import encode_consumer_running_info
 from protocol.connection import finish_within, jittered, wait_within
 from protocol.errors import (BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError,
                              TopicNotExistError)
@@ -70,6 +74,13 @@ class ConsumeStatus(enum.Enum):
 # consume_from -> the consumeFromWhere a heartbeat says (ConsumeFromWhere's names)
 _CONSUME_FROM = {"first": "CONSUME_FROM_FIRST_OFFSET", "last": "CONSUME_FROM_LAST_OFFSET",
                  "timestamp": "CONSUME_FROM_TIMESTAMP"}
+
+
+def thread_stacks() -> str:
+    """Every thread's stack, as a Java consumer's jstack (GET_CONSUMER_RUNNING_INFO with jstackEnable)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"{names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+                     for ident, frame in sys._current_frames().items())
 
 
 class PushConsumer:
@@ -165,6 +176,11 @@ class PushConsumer:
         self.client.on_ids_changed = self._request_rebalance
         self.client.pool.on_lost = self._on_connection_lost
         self.client.on_reset_offset = self._on_reset_offset
+        self.client.running_info = self._running_info
+        self._started_ms = 0              # wall-clock ms start() was called at (PROP_CONSUMER_START_TIMESTAMP)
+        # queue -> wall-clock ms of its last pull answered and of its last message consumed (GET_CONSUMER_RUNNING_INFO)
+        self._pulled_ms: dict[MessageQueue, int] = {}
+        self._consumed_ms: dict[MessageQueue, int] = {}
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
@@ -232,6 +248,7 @@ class PushConsumer:
 
     async def start(self) -> "PushConsumer":
         """Announce the group, take this consumer's share of the queues and start consuming; returns self."""
+        self._started_ms = int(time.time() * 1000)
         for topic, expression in self._topics().items():
             try:
                 await self.client.fetch_queues(topic)
@@ -383,6 +400,34 @@ class PushConsumer:
                 self._turn_failed("rebalance")
             if lost and retry is None:      # connections that keep breaking: at most two beats a second for them
                 await asyncio.sleep(min(_BEAT_RETRY_S, self.rebalance_interval_s))
+
+    def _running_info(self, jstack: bool) -> bytes:
+        """The ConsumerRunningInfo body a Java push consumer answers GET_CONSUMER_RUNNING_INFO with
+        (DefaultMQPushConsumerImpl.consumerRunningInfo): the properties mqadmin consumerStatus reads (consume type,
+        orderly, start time), the subscriptions, and a ProcessQueueInfo of each queue this consumer holds. Left
+        unanswered (REQUEST_CODE_NOT_SUPPORTED), consumerStatus and consumerProgress -s failed on a txmq consumer."""
+        now_wall, now_mono = time.time() * 1000, time.monotonic()
+        props = {"consumerGroup": self.group, "messageModel": self.message_model,
+                 "consumeFromWhere": _CONSUME_FROM[self.consume_from], "consumeTimestamp": str(self.consume_timestamp_ms),
+                 "maxReconsumeTimes": str(self.max_reconsume_times), "instanceName": self.client.client_id.split("@")[-1],
+                 "PROP_NAMESERVER_ADDR": "".join(f"{a};" for a in self.client.namesrv_addrs),
+                 "PROP_CONSUME_TYPE": "CONSUME_PASSIVELY", "PROP_CONSUMEORDERLY": str(self.orderly).lower(),
+                 "PROP_CONSUMER_START_TIMESTAMP": str(self._started_ms), "PROP_CLIENT_VERSION": "V4_9_8"}
+        subs = [as_selector(e).subscription_data(t, self.client.sub_version)
+                for t, e in self.client.subscriptions.items()]
+        queues = {}
+        for mq in self._owned:
+            offset, in_hand = self._offsets.get(mq, -1), mq in self._consuming
+            granted = self._locks.get(mq)
+            queues[(mq.topic, mq.broker_name, mq.queue_id)] = {
+                "cachedMsgCount": int(in_hand), "cachedMsgMaxOffset": offset if in_hand else 0,
+                "cachedMsgMinOffset": offset if in_hand else 0, "cachedMsgSizeInMiB": 0, "commitOffset": offset,
+                "droped": mq in self._leaving, "lastConsumeTimestamp": self._consumed_ms.get(mq, 0),
+                "lastLockTimestamp": 0 if granted is None else int(now_wall - (now_mono - granted) * 1000),
+                "lastPullTimestamp": self._pulled_ms.get(mq, 0), "locked": self._locked(mq),
+                "transactionMsgCount": 0, "transactionMsgMaxOffset": 0, "transactionMsgMinOffset": 0,
+                "tryUnlockTimes": 0}
+        return encode_consumer_running_info(props, subs, queues, thread_stacks() if jstack else None)
 
     async def _heartbeat(self, only: list[str] | None = None) -> None:
         await self.client.heartbeat("CONSUME_PASSIVELY", _CONSUME_FROM[self.consume_from], self.message_model,
@@ -801,6 +846,7 @@ class PushConsumer:
                 if offset is None:
                     offset = self._offsets[mq] = await self._resume_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
+                self._pulled_ms[mq] = int(time.time() * 1000)
                 for msg in res.messages:
                     if self._halted(mq):
                         break          # shutdown or given away: the rest of the batch is the next consumer's
@@ -819,6 +865,7 @@ class PushConsumer:
                         # offset is no longer this loop's to move (a loop started since may hold it).
                         return
                     self._offsets[mq] = msg.queue_offset + 1
+                    self._consumed_ms[mq] = int(time.time() * 1000)
                 else:
                     if res.status is PullStatus.OFFSET_ILLEGAL:
                         self._offset_moved(mq, offset, res)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from consumer import PullConsumer
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import Producer
 from protocol.admin_bodies import decode_mq_table
 from protocol.codes import LanguageCode, ResponseCode
@@ -807,3 +807,50 @@ async def test_broker_consume_stats_lists_every_groups_progress_as_4_9_8(broker)
     finally:
         member.close()
         conn.close()
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(broker):
+    """mqadmin consumerStatus and consumerProgress -s ask each consumer of the group, through the broker, for its
+    ConsumerRunningInfo (307): txmq's push consumer answered REQUEST_CODE_NOT_SUPPORTED, so both commands failed
+    on a group of txmq consumers. It answers as DefaultMQPushConsumerImpl.consumerRunningInfo: the properties
+    consumerStatus's analysis parses (consume type, orderly, start time), its subscriptions and a ProcessQueueInfo
+    of each queue it holds (the queues consumerProgress -s names its clients by); another group SYSTEM_ERROR."""
+    async with Producer(broker.namesrv, "PG_running") as producer:
+        for i in range(4):
+            await producer.send("Orders", f"m{i}".encode())
+    consumed = asyncio.Event()
+    seen = []
+
+    def listener(msg):
+        seen.append(msg.body)
+        if len(seen) == 4:
+            consumed.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_running", listener, consume_from="first")
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(consumed.wait(), 20)
+        fields = {"consumerGroup": "CG_running", "clientId": consumer.client.client_id, "jstackEnable": "true"}
+        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
+        assert (info.code, info.remark) == (ResponseCode.SUCCESS, None)
+        obj, table = decode_mq_table(info.body_bytes(), "mqTable")
+        assert list(obj) == ["jstack", "mqTable", "properties", "statusTable", "subscriptionSet"]   # fastjson's
+        assert "MainThread" in obj["jstack"]
+        props = obj["properties"]
+        assert (props["PROP_CONSUME_TYPE"], props["PROP_CONSUMEORDERLY"]) == ("CONSUME_PASSIVELY", "false")
+        started = int(props["PROP_CONSUMER_START_TIMESTAMP"])
+        assert props["PROP_NAMESERVER_ADDR"] == broker.namesrv + ";"
+        assert {s["topic"] for s in obj["subscriptionSet"]} == {"Orders", "%RETRY%CG_running"}
+        assert {(t, q) for t, _b, q in table} == {(mq.topic, mq.queue_id) for mq in consumer._owned}
+        orders = {q: v for (t, _b, q), v in table.items() if t == "Orders"}
+        assert sum(v["commitOffset"] for v in orders.values()) == 4         # every message consumed
+        assert all(started <= min(v["lastPullTimestamp"], v["lastConsumeTimestamp"])
+                   for v in orders.values() if v["commitOffset"] > 0)
+        assert all(not v["droped"] and not v["locked"] for v in table.values())
+        other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, {**fields, "consumerGroup": "CG_other"})
+        assert other.code == ResponseCode.SYSTEM_ERROR     # (the broker: not online, or the consumer: not its group)
+    finally:
+        await consumer.shutdown()
