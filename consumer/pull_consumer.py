@@ -169,6 +169,8 @@ class PullConsumer:
         # fn(jstack: bool) -> the ConsumerRunningInfo body of GET_CONSUMER_RUNNING_INFO (a push consumer's; a pull
         # consumer has no process queues to say and answers it REQUEST_CODE_NOT_SUPPORTED)
         self.running_info = None
+        # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's)
+        self.consume_directly = None
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self) -> "PullConsumer":
@@ -185,6 +187,8 @@ class PullConsumer:
             return self._on_reset(cmd)
         elif cmd.code == RequestCode.GET_CONSUMER_RUNNING_INFO and self.running_info is not None:
             return self._on_running_info(cmd)
+        elif cmd.code == RequestCode.CONSUME_MESSAGE_DIRECTLY and self.consume_directly is not None:
+            return self._on_consume_directly(cmd)
         # Said at once: left unanswered, a broker passing on an operator's GET_CONSUMER_RUNNING_INFO or
         # CONSUME_MESSAGE_DIRECTLY waited 10 s for it, and the operator's tool gave up first.
         return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
@@ -195,14 +199,38 @@ class PullConsumer:
         """The subVersion of the subscriptions the last heartbeat carried (0 before the first)."""
         return self._sub_version
 
-    def _on_running_info(self, cmd):
-        """GET_CONSUMER_RUNNING_INFO (mqadmin consumerStatus, consumerProgress -s, passed on by the broker): as a
-        Java consumer's ClientRemotingProcessor answers it, SYSTEM_ERROR for a group this client is not."""
+    def _not_our_group(self, cmd):
+        """SYSTEM_ERROR as a Java consumer's ClientRemotingProcessor answers a group it is not, else None."""
         group = cmd.ext_fields.get("consumerGroup")
-        if group != self.group:
-            return cmd.response(ResponseCode.SYSTEM_ERROR, f"The Consumer Group <{group}> not exist in this consumer")
+        if group == self.group:
+            return None
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"The Consumer Group <{group}> not exist in this consumer")
+
+    def _on_running_info(self, cmd):
+        """GET_CONSUMER_RUNNING_INFO (mqadmin consumerStatus, consumerProgress -s, passed on by the broker)."""
+        other = self._not_our_group(cmd)
+        if other is not None:
+            return other
         jstack = str(cmd.ext_fields.get("jstackEnable", "false")).lower() == "true"
         return cmd.response(ResponseCode.SUCCESS, body=self.running_info(jstack))
+
+    def _on_consume_directly(self, cmd):
+        """CONSUME_MESSAGE_DIRECTLY (mqadmin queryMsgById -g -d, the dashboard's resend): the stored record the
+        broker passed on handed to the listener once more, its ConsumeMessageDirectlyResult answered."""
+        other = self._not_our_group(cmd)
+        if other is not None:
+            return other
+        try:
+            [msg] = decode_records(cmd.body_bytes())
+        except (BrokerError, ValueError) as exc:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"the message passed on does not decode: {exc}")
+        why = inflate(msg, self.max_inflated_body) if msg.sys_flag & SysFlag.COMPRESSED else None
+        if why is not None:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"message {msg.msg_id}: {why}")
+
+        async def answer():
+            return cmd.response(ResponseCode.SUCCESS, body=await self.consume_directly(msg))
+        return answer()
 
     def _on_reset(self, cmd):
         """An operator reset the group's offsets (INVOKE_BROKER_TO_RESET_OFFSET): remember them in

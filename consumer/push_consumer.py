@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import json
 import logging
 import sys
 import threading
@@ -177,6 +178,7 @@ class PushConsumer:
         self.client.pool.on_lost = self._on_connection_lost
         self.client.on_reset_offset = self._on_reset_offset
         self.client.running_info = self._running_info
+        self.client.consume_directly = self._consume_directly
         self._started_ms = 0              # wall-clock ms start() was called at (PROP_CONSUMER_START_TIMESTAMP)
         # queue -> wall-clock ms of its last pull answered and of its last message consumed (GET_CONSUMER_RUNNING_INFO)
         self._pulled_ms: dict[MessageQueue, int] = {}
@@ -429,6 +431,18 @@ class PushConsumer:
                 "tryUnlockTimes": 0}
         return encode_consumer_running_info(props, subs, queues, thread_stacks() if jstack else None)
 
+    async def _consume_directly(self, msg: MessageExt) -> bytes:
+        """A message an operator hands this consumer (CONSUME_MESSAGE_DIRECTLY) given to the listener once, beside
+        the pull loops, as ConsumeMessage{Concurrently,Orderly}Service.consumeMessageDirectly: its offset moves
+        nothing and a failure is not sent back. The ConsumeMessageDirectlyResult: CR_SUCCESS, or CR_LATER for a
+        listener that asked for it again, raised or ran past consume_timeout_s (said in the log, as always)."""
+        self._as_subscribed(msg)
+        began = time.monotonic()
+        status = await self._call_listener(msg)
+        result = "CR_SUCCESS" if status is ConsumeStatus.CONSUME_SUCCESS else "CR_LATER"
+        return json.dumps({"autoCommit": True, "consumeResult": result, "order": self.orderly,
+                           "spentTimeMills": int((time.monotonic() - began) * 1000)}, separators=(",", ":")).encode()
+
     async def _heartbeat(self, only: list[str] | None = None) -> None:
         await self.client.heartbeat("CONSUME_PASSIVELY", _CONSUME_FROM[self.consume_from], self.message_model,
                                     only=only)
@@ -585,6 +599,8 @@ class PushConsumer:
                 self._offsets.pop(mq, None)
                 self._committed.pop(mq, None)
                 self._known_stored.pop(mq, None)
+                self._pulled_ms.pop(mq, None)
+                self._consumed_ms.pop(mq, None)
             if failed is not None:
                 raise failed
             if self.orderly:
@@ -960,9 +976,13 @@ class PushConsumer:
             log.warning("listener returned %r on %s, not a ConsumeStatus: RECONSUME_LATER", status, msg.msg_id)
         return ConsumeStatus.RECONSUME_LATER
 
-    async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+    def _as_subscribed(self, msg: MessageExt) -> None:
+        """A retry's topic made the one the user subscribed to (RocketMQ's resetRetryAndNamespace)."""
         if msg.topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
-            msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
+            msg.topic = msg.properties[Prop.RETRY_TOPIC]
+
+    async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+        self._as_subscribed(msg)
         if self.orderly or self.broadcasting:
             return await self._consume_in_place(mq, msg)
         while True:

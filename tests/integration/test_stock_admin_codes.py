@@ -854,3 +854,40 @@ async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(
         assert other.code == ResponseCode.SYSTEM_ERROR     # (the broker: not online, or the consumer: not its group)
     finally:
         await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(broker):
+    """mqadmin queryMsgById -g G -d C (the dashboard's resend) has the broker pass the stored message to that
+    consumer (CONSUME_MESSAGE_DIRECTLY, 309): txmq's push consumer answered REQUEST_CODE_NOT_SUPPORTED, and the
+    resend failed. It hands the message to its listener once more, as a Java push consumer's
+    consumeMessageDirectly, and answers a ConsumeMessageDirectlyResult: CR_SUCCESS, or CR_LATER when the
+    listener asks for it again (nothing sent back for it: the operator's call, not a delivery)."""
+    async with Producer(broker.namesrv, "PG_direct_txmq") as producer:
+        sent = await producer.send("Orders", b"resend me", tags="created")
+    seen = []
+    first = asyncio.Event()
+
+    def listener(msg):
+        seen.append((msg.topic, msg.body, msg.tags))
+        first.set()
+        return ConsumeStatus.CONSUME_SUCCESS if len(seen) < 3 else ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(broker.namesrv, "CG_direct_txmq", listener, consume_from="first")
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(first.wait(), 20)
+        fields = {"consumerGroup": "CG_direct_txmq", "clientId": consumer.client.client_id,
+                  "msgId": sent.offset_msg_id}
+        for expected in ("CR_SUCCESS", "CR_LATER"):
+            resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+            assert (resp.code, resp.remark) == (ResponseCode.SUCCESS, None)
+            result = json.loads(resp.body_bytes())
+            assert list(result) == ["autoCommit", "consumeResult", "order", "spentTimeMills"]    # fastjson's
+            assert (result["consumeResult"], result["order"], result["autoCommit"]) == (expected, False, True)
+        assert seen == [("Orders", b"resend me", "created")] * 3
+        other = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {**fields, "consumerGroup": "CG_other"})
+        assert other.code == ResponseCode.SYSTEM_ERROR and len(seen) == 3
+    finally:
+        await consumer.shutdown()
