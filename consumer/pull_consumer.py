@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from protocol.admin_bodies import decode_mq_table
+from protocol.admin_bodies import decode_mq_table, encode_client_consumer_status
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
@@ -171,6 +171,8 @@ class PullConsumer:
         self.running_info = None
         # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's)
         self.consume_directly = None
+        # fn(topic) -> the GetConsumerStatusBody of GET_CONSUMER_STATUS_FROM_CLIENT (a push consumer's offsets)
+        self.consumer_status = None
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self) -> "PullConsumer":
@@ -189,6 +191,12 @@ class PullConsumer:
             return self._on_running_info(cmd)
         elif cmd.code == RequestCode.CONSUME_MESSAGE_DIRECTLY and self.consume_directly is not None:
             return self._on_consume_directly(cmd)
+        elif cmd.code == RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT and self.consumer_status is not None:
+            # (mqadmin getConsumerStatus, through the broker's 223) a Java consumer's: its offsets of the topic,
+            # an empty table for a group it is not
+            offsets = self.consumer_status(cmd.ext_fields.get("topic")) if cmd.ext_fields.get("group") == self.group \
+                else {}
+            return cmd.response(ResponseCode.SUCCESS, body=encode_client_consumer_status(offsets))
         # Said at once: left unanswered, a broker passing on an operator's GET_CONSUMER_RUNNING_INFO or
         # CONSUME_MESSAGE_DIRECTLY waited 10 s for it, and the operator's tool gave up first.
         return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,

@@ -179,6 +179,8 @@ class PushConsumer:
         self.client.on_reset_offset = self._on_reset_offset
         self.client.running_info = self._running_info
         self.client.consume_directly = self._consume_directly
+        self.client.consumer_status = lambda topic: {(mq.topic, mq.broker_name, mq.queue_id): offset
+                                                     for mq, offset in self._offsets.items() if mq.topic == topic}
         self._started_ms = 0              # wall-clock ms start() was called at (PROP_CONSUMER_START_TIMESTAMP)
         # queue -> wall-clock ms of its last pull answered and of its last message consumed (GET_CONSUMER_RUNNING_INFO)
         self._pulled_ms: dict[MessageQueue, int] = {}

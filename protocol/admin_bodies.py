@@ -76,6 +76,12 @@ def encode_topic_stats(rows: dict[MQ, tuple[int, int, int]]) -> bytes:
     return f'{{"offsetTable":{table}}}'.encode()
 
 
+def encode_client_consumer_status(offsets: dict[MQ, int]) -> bytes:
+    """One consumer's GetConsumerStatusBody, its answer to GET_CONSUMER_STATUS_FROM_CLIENT:
+    {"consumerTable":{},"messageQueueTable":{MessageQueue: offset}}."""
+    return ('{"consumerTable":{},"messageQueueTable":' + _mq_map(sorted(offsets.items())) + "}").encode()
+
+
 def consumer_status_steps(by_client: dict[str, dict[MQ, int]], per_step: int = 2048):
     """GetConsumerStatusBody: {"consumerTable":{clientId:{MessageQueue: offset}},"messageQueueTable":{}}, written
     ``per_step`` queues at a time: a generator that yields (a step, for broker.slices.in_steps) between two and

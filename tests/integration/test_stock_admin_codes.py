@@ -891,3 +891,38 @@ async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(bro
         assert other.code == ResponseCode.SYSTEM_ERROR and len(seen) == 3
     finally:
         await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_tells_its_offsets_to_get_consumer_status(broker):
+    """mqadmin getConsumerStatus (223) has the broker ask each consumer for its offsets of the topic (221): txmq's
+    push consumer answered REQUEST_CODE_NOT_SUPPORTED and was left out, the tool printing nothing for a group of
+    them. It answers its offsets, as a Java push consumer's offset store (cloneOffsetTable)."""
+    async with Producer(broker.namesrv, "PG_status_txmq") as producer:
+        for i in range(4):
+            await producer.send("Orders", f"m{i}".encode())
+    consumed = asyncio.Event()
+    seen = []
+
+    def listener(msg):
+        seen.append(msg.body)
+        if len(seen) == 4:
+            consumed.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_status_txmq", listener, consume_from="first")
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(consumed.wait(), 20)
+        resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                             {"topic": "Orders", "group": "CG_status_txmq"})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        obj, _ = decode_mq_table(resp.body_bytes(), "messageQueueTable")
+        (cid, table), = obj["consumerTable"].items()
+        offsets = {json.loads(k)["queueId"]: v for k, v in table.items()}
+        assert cid == consumer.client.client_id
+        assert set(offsets) == {mq.queue_id for mq in consumer._owned if mq.topic == "Orders"}
+        assert sum(offsets.values()) == 4          # every message consumed
+    finally:
+        await consumer.shutdown()
