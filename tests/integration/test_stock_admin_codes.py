@@ -4,6 +4,7 @@ it (docs/compatibility.md has the whole table)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -809,14 +810,10 @@ async def test_broker_consume_stats_lists_every_groups_progress_as_4_9_8(broker)
         conn.close()
 
 
-@bounded(60)
-async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(broker):
-    """mqadmin consumerStatus and consumerProgress -s ask each consumer of the group, through the broker, for its
-    ConsumerRunningInfo (307): txmq's push consumer answered REQUEST_CODE_NOT_SUPPORTED, so both commands failed
-    on a group of txmq consumers. It answers as DefaultMQPushConsumerImpl.consumerRunningInfo: the properties
-    consumerStatus's analysis parses (consume type, orderly, start time), its subscriptions and a ProcessQueueInfo
-    of each queue it holds (the queues consumerProgress -s names its clients by); another group SYSTEM_ERROR."""
-    async with Producer(broker.namesrv, "PG_running") as producer:
+@contextlib.asynccontextmanager
+async def _consumed_by_txmq_push_consumer(broker, group: str):
+    """A txmq PushConsumer of ``group`` on Orders, once it consumed the 4 messages sent before it started."""
+    async with Producer(broker.namesrv, "PG_" + group) as producer:
         for i in range(4):
             await producer.send("Orders", f"m{i}".encode())
     consumed = asyncio.Event()
@@ -828,11 +825,24 @@ async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(
             consumed.set()
         return ConsumeStatus.CONSUME_SUCCESS
 
-    consumer = PushConsumer(broker.namesrv, "CG_running", listener, consume_from="first")
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first")
     consumer.subscribe("Orders")
     await consumer.start()
     try:
         await asyncio.wait_for(consumed.wait(), 20)
+        yield consumer
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(broker):
+    """mqadmin consumerStatus and consumerProgress -s ask each consumer of the group, through the broker, for its
+    ConsumerRunningInfo (307): txmq's push consumer answered REQUEST_CODE_NOT_SUPPORTED, so both commands failed
+    on a group of txmq consumers. It answers as DefaultMQPushConsumerImpl.consumerRunningInfo: the properties
+    consumerStatus's analysis parses (consume type, orderly, start time), its subscriptions and a ProcessQueueInfo
+    of each queue it holds (the queues consumerProgress -s names its clients by); another group SYSTEM_ERROR."""
+    async with _consumed_by_txmq_push_consumer(broker, "CG_running") as consumer:
         fields = {"consumerGroup": "CG_running", "clientId": consumer.client.client_id, "jstackEnable": "true"}
         info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
         assert (info.code, info.remark) == (ResponseCode.SUCCESS, None)
@@ -852,8 +862,6 @@ async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(
         assert all(not v["droped"] and not v["locked"] for v in table.values())
         other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, {**fields, "consumerGroup": "CG_other"})
         assert other.code == ResponseCode.SYSTEM_ERROR     # (the broker: not online, or the consumer: not its group)
-    finally:
-        await consumer.shutdown()
 
 
 @bounded(60)
@@ -898,23 +906,7 @@ async def test_a_txmq_push_consumer_tells_its_offsets_to_get_consumer_status(bro
     """mqadmin getConsumerStatus (223) has the broker ask each consumer for its offsets of the topic (221): txmq's
     push consumer answered REQUEST_CODE_NOT_SUPPORTED and was left out, the tool printing nothing for a group of
     them. It answers its offsets, as a Java push consumer's offset store (cloneOffsetTable)."""
-    async with Producer(broker.namesrv, "PG_status_txmq") as producer:
-        for i in range(4):
-            await producer.send("Orders", f"m{i}".encode())
-    consumed = asyncio.Event()
-    seen = []
-
-    def listener(msg):
-        seen.append(msg.body)
-        if len(seen) == 4:
-            consumed.set()
-        return ConsumeStatus.CONSUME_SUCCESS
-
-    consumer = PushConsumer(broker.namesrv, "CG_status_txmq", listener, consume_from="first")
-    consumer.subscribe("Orders")
-    await consumer.start()
-    try:
-        await asyncio.wait_for(consumed.wait(), 20)
+    async with _consumed_by_txmq_push_consumer(broker, "CG_status_txmq") as consumer:
         resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
                              {"topic": "Orders", "group": "CG_status_txmq"})
         assert resp.code == ResponseCode.SUCCESS, resp.remark
@@ -924,5 +916,3 @@ async def test_a_txmq_push_consumer_tells_its_offsets_to_get_consumer_status(bro
         assert cid == consumer.client.client_id
         assert set(offsets) == {mq.queue_id for mq in consumer._owned if mq.topic == "Orders"}
         assert sum(offsets.values()) == 4          # every message consumed
-    finally:
-        await consumer.shutdown()
