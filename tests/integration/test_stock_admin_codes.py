@@ -916,3 +916,29 @@ async def test_a_txmq_push_consumer_tells_its_offsets_to_get_consumer_status(bro
         assert cid == consumer.client.client_id
         assert set(offsets) == {mq.queue_id for mq in consumer._owned if mq.topic == "Orders"}
         assert sum(offsets.values()) == 4          # every message consumed
+
+
+@bounded(60)
+async def test_broker_consume_stats_past_a_frame_is_refused_naming_what_to_ask_instead(broker_factory):
+    """GET_BROKER_CONSUME_STATS (317) gathers every group's progress in one body: 200 groups holding offsets on 100
+    topics of 8 queues answered 19.6 MB, past the 16 MiB frame a Java mqadmin (and a txmq client) reads -- the
+    tool failed on a frame it could not decode -- and 8 such requests at once took the broker from 90 to 423 MB.
+    Past the broker's max_frame_size (RocketMQ's 16 MiB) it stops gathering and answers SYSTEM_ERROR saying so
+    and what to ask instead; a body within it is answered as ever."""
+    broker = broker_factory("--max-frame-size", "65536")
+    conn = await _connect(broker.broker)
+    try:
+        reply = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "BcsWide", "readQueueNums": 256, "writeQueueNums": 256, "perm": 6}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        for group in ("CG_wide_a", "CG_wide_b", "CG_wide_c"):       # each 256 rows, some 27 KB of the body
+            await _commit(conn, group, "BcsWide", 0, 0)
+        reply = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 10)
+        assert reply.code == ResponseCode.SYSTEM_ERROR, (reply.code, len(reply.body_bytes() or b""))
+        assert "max_frame_size" in reply.remark and "consumerProgress" in reply.remark, reply.remark
+        assert not reply.body_bytes()
+        ordered = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "true"}), 10)
+        assert ordered.code == ResponseCode.SUCCESS, ordered.remark     # (no ordered topic: a small body)
+        assert json.loads(ordered.body_bytes())["totalDiff"] == 0
+    finally:
+        conn.close()
