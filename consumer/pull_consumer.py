@@ -169,7 +169,8 @@ class PullConsumer:
         # fn(jstack: bool) -> the ConsumerRunningInfo body of GET_CONSUMER_RUNNING_INFO (a push consumer's; a pull
         # consumer has no process queues to say and answers it REQUEST_CODE_NOT_SUPPORTED)
         self.running_info = None
-        # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's)
+        # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's),
+        # or a str: why it was not consumed (answered SYSTEM_ERROR)
         self.consume_directly = None
         # fn(topic) -> the GetConsumerStatusBody of GET_CONSUMER_STATUS_FROM_CLIENT (a push consumer's offsets)
         self.consumer_status = None
@@ -237,7 +238,10 @@ class PullConsumer:
             return cmd.response(ResponseCode.SYSTEM_ERROR, f"message {msg.msg_id}: {why}")
 
         async def answer():
-            return cmd.response(ResponseCode.SUCCESS, body=await self.consume_directly(msg))
+            body = await self.consume_directly(msg)
+            if isinstance(body, str):
+                return cmd.response(ResponseCode.SYSTEM_ERROR, body)
+            return cmd.response(ResponseCode.SUCCESS, body=body)
         return answer()
 
     def _on_reset(self, cmd):

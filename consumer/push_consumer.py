@@ -185,6 +185,7 @@ class PushConsumer:
         # queue -> wall-clock ms of its last pull answered and of its last message consumed (GET_CONSUMER_RUNNING_INFO)
         self._pulled_ms: dict[MessageQueue, int] = {}
         self._consumed_ms: dict[MessageQueue, int] = {}
+        self._direct: set[asyncio.Task] = set()    # listener calls of CONSUME_MESSAGE_DIRECTLY running (shutdown)
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
@@ -433,14 +434,23 @@ class PushConsumer:
                 "tryUnlockTimes": 0}
         return encode_consumer_running_info(props, subs, queues, thread_stacks() if jstack else None)
 
-    async def _consume_directly(self, msg: MessageExt) -> bytes:
+    async def _consume_directly(self, msg: MessageExt) -> bytes | str:
         """A message an operator hands this consumer (CONSUME_MESSAGE_DIRECTLY) given to the listener once, beside
         the pull loops, as ConsumeMessage{Concurrently,Orderly}Service.consumeMessageDirectly: its offset moves
         nothing and a failure is not sent back. The ConsumeMessageDirectlyResult: CR_SUCCESS, or CR_LATER for a
-        listener that asked for it again, raised or ran past consume_timeout_s (said in the log, as always)."""
+        listener that asked for it again, raised or ran past consume_timeout_s (said in the log, as always).
+        Shutdown keeps to it as to the pull loops' calls: none begins once it has begun (refused, saying so), and
+        one running is given shutdown_grace_s, then cancelled."""
+        if self._stopping:
+            return f"push consumer {self.group} is shutting down: message {msg.msg_id} not given to its listener"
         self._as_subscribed(msg)
         began = time.monotonic()
-        status = await self._call_listener(msg)
+        task = asyncio.current_task()
+        self._direct.add(task)
+        try:
+            status = await self._call_listener(msg)
+        finally:
+            self._direct.discard(task)
         result = "CR_SUCCESS" if status is ConsumeStatus.CONSUME_SUCCESS else "CR_LATER"
         return json.dumps({"autoCommit": True, "consumeResult": result, "order": self.orderly,
                            "spentTimeMills": int((time.monotonic() - began) * 1000)}, separators=(",", ":")).encode()
@@ -549,6 +559,16 @@ class PushConsumer:
             for mq, task in loops:
                 if task in stuck:
                     self._abandon(mq, task)
+
+    async def _let_direct_finish(self) -> None:
+        """Shutdown: the listener calls of CONSUME_MESSAGE_DIRECTLY running given shutdown_grace_s, then cancelled
+        (left, one went on up to consume_timeout_s after the consumer was gone), waited for at most
+        abandon_after_s more."""
+        late = await finish_within(self._direct, self.shutdown_grace_s)
+        if late:
+            log.warning("push consumer %s: %d listener call(s) of a message handed directly still running after "
+                        "%g s (shutdown_grace_s): cancelled", self.group, len(late), self.shutdown_grace_s)
+            await asyncio.wait(late, timeout=self.abandon_after_s)
 
     def _abandon(self, mq: MessageQueue, task: asyncio.Task) -> None:
         """Give up on pull loop ``task`` of ``mq``, whose listener call ignored its cancel: it is no longer
@@ -1124,7 +1144,8 @@ class PushConsumer:
         # Queues being handed over are given no longer than shutdown's grace either; their hand-over then
         # commits and unlocks them, and is waited for below.
         loops = [*self._loops.items(), *self._leaving.items()]
-        await self._let_finish(loops, self.shutdown_grace_s, "", "shutdown_grace_s")
+        await asyncio.gather(self._let_finish(loops, self.shutdown_grace_s, "", "shutdown_grace_s"),
+                             self._let_direct_finish())
         await asyncio.gather(*others, *(task for _, task in loops if task not in self._abandoned),
                              return_exceptions=True)
         self._loops.clear()

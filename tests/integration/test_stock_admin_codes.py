@@ -942,3 +942,56 @@ async def test_broker_consume_stats_past_a_frame_is_refused_naming_what_to_ask_i
         assert json.loads(ordered.body_bytes())["totalDiff"] == 0
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_a_message_handed_directly_keeps_to_the_push_consumers_shutdown(broker):
+    """PushConsumer.shutdown gives a running listener call shutdown_grace_s, then cancels it, and gives no new
+    message to the listener once it begins. A message handed to it by CONSUME_MESSAGE_DIRECTLY (309) did neither:
+    a listener still on one when shutdown returned kept running (up to consume_timeout_s, 900 s, after the
+    consumer was gone), and one handed during the shutdown's grace was given to the listener. Now the first is
+    cancelled with the pull loops' calls, and the second refused SYSTEM_ERROR without reaching the listener."""
+    async with Producer(broker.namesrv, "PG_direct_stop") as producer:
+        sent = await producer.send("Orders", b"hold me")
+    consumed, entered, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    calls, cancelled = [], []
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:                            # (the pull loop's delivery: consumed at once)
+            consumed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        entered.set()
+        try:
+            await release.wait()                       # never set: held until cancelled
+        except asyncio.CancelledError:
+            cancelled.append(msg.body)
+            raise
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_direct_stop", listener, consume_from="first", shutdown_grace_s=0.5)
+    consumer.subscribe("Orders")
+    await consumer.start()
+    fields = {"consumerGroup": "CG_direct_stop", "clientId": consumer.client.client_id, "msgId": sent.offset_msg_id}
+    held = stopping = None
+    try:
+        await asyncio.wait_for(consumed.wait(), 20)
+        held = asyncio.create_task(request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields))
+        await asyncio.wait_for(entered.wait(), 20)
+        stopping = asyncio.create_task(consumer.shutdown())
+        for _ in range(100):                           # (shutdown's first step marks it stopping)
+            if consumer._stopping:
+                break
+            await asyncio.sleep(0)
+        assert consumer._stopping
+        late = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)     # (still in the group)
+        await stopping
+        assert cancelled == [b"hold me"], (calls, cancelled)      # the held call ended with the consumer
+    finally:
+        if stopping is None:
+            await consumer.shutdown()
+        if held is not None:
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+    assert late.code == ResponseCode.SYSTEM_ERROR and "shutting down" in late.remark, (late.code, late.remark)
+    assert calls == [b"hold me"] * 2        # the pull loop's and the held one: the late one not given
