@@ -995,3 +995,30 @@ async def test_a_message_handed_directly_keeps_to_the_push_consumers_shutdown(br
             await asyncio.gather(held, return_exceptions=True)
     assert late.code == ResponseCode.SYSTEM_ERROR and "shutting down" in late.remark, (late.code, late.remark)
     assert calls == [b"hold me"] * 2        # the pull loop's and the held one: the late one not given
+
+
+@bounded(60)
+async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(broker):
+    """Each GET_BROKER_CONSUME_STATS (317) holds its body, up to a frame's 16 MiB, until it is sent, and they ran
+    all at once: 8 of 19.6 MB took the broker from 90 to 423 MB, and one connection may have 1,024 in flight.
+    RocketMQ answers admin codes on 16 threads; txmq works on MAX_BROKER_CONSUME_STATS of them at once and
+    answers one past that SYSTEM_BUSY, saying to try again."""
+    from broker.processors.ops import MAX_BROKER_CONSUME_STATS
+    conn = await _connect(broker.broker)
+    try:
+        reply = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "BcsBusy", "readQueueNums": 1024, "writeQueueNums": 1024, "perm": 6}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        for i in range(10):         # 10,240 queues to read: five turns of the loop each
+            await _commit(conn, f"CG_busy_{i}", "BcsBusy", 0, 0)
+        asked = MAX_BROKER_CONSUME_STATS + 4
+        replies = await asyncio.gather(*(conn.request(RemotingCommand.request(
+            R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 30) for _ in range(asked)))
+        codes = sorted(r.code for r in replies)
+        assert codes == [ResponseCode.SUCCESS] * MAX_BROKER_CONSUME_STATS + [ResponseCode.SYSTEM_BUSY] * 4, codes
+        busy = next(r for r in replies if r.code == ResponseCode.SYSTEM_BUSY)
+        assert "try again" in busy.remark, busy.remark
+        again = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 30)
+        assert again.code == ResponseCode.SUCCESS         # (each slot given back)
+    finally:
+        conn.close()
