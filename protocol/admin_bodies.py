@@ -47,8 +47,6 @@ def encode_consume_stats(rows: dict[MQ, tuple[int, int, int]], tps: float = 0.0)
     return (consume_stats_head(tps) + consume_stats_members(rows, sorted(rows)) + "}}").encode()
 
 
-# encode_consume_stats in parts, for a caller that writes the members a slice at a time (broker.slices.
-# members_in_slices): head, the members of each slice of the sorted queues, joined by ",", then "}}".
 def encode_consumer_running_info(properties: dict[str, str], subscriptions: list[dict], queues: dict[MQ, dict],
                                  jstack: str | None = None) -> bytes:
     """ConsumerRunningInfo as fastjson writes it: {"jstack" (when asked), "mqTable":{MessageQueue:
@@ -61,6 +59,8 @@ def encode_consumer_running_info(properties: dict[str, str], subscriptions: list
             f'"properties":{dump(properties)},"statusTable":{{}},"subscriptionSet":{dump(subs)}}}').encode()
 
 
+# encode_consume_stats in parts, for a caller that writes the members a slice at a time (broker.slices.
+# members_in_slices): head, the members of each slice of the sorted queues, joined by ",", then "}}".
 def consume_stats_head(tps: float) -> str:
     return f'{{"consumeTps":{float(tps)!r},"offsetTable":{{'
 
