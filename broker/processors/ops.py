@@ -21,7 +21,7 @@ from protocol.message import validate_group, validate_topic
 from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
-from ..limits import peer_host
+from ..limits import at_most, peer_host
 from ..slices import members_in_slices, stop_if_gone
 from ..subscriptions import SYSTEM_GROUPS, retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
@@ -98,21 +98,9 @@ def _offset_rows(ctx, group: str, t: str, tc, read: bool) -> dict:
     return rows
 
 
+@at_most("broker_consume_stats", MAX_BROKER_CONSUME_STATS,
+         f"{MAX_BROKER_CONSUME_STATS} GET_BROKER_CONSUME_STATS are being answered already, try again later")
 async def get_broker_consume_stats(ctx, conn, cmd):
-    """GET_BROKER_CONSUME_STATS (317), MAX_BROKER_CONSUME_STATS at once (_broker_consume_stats), one past them
-    SYSTEM_BUSY: each holds its body, up to a frame, until it is sent, and 8 at once of 19.6 MB each took a broker
-    from 90 to 423 MB (a connection may have 1,024 requests in flight)."""
-    if ctx.broker_consume_stats >= MAX_BROKER_CONSUME_STATS:
-        return cmd.response(ResponseCode.SYSTEM_BUSY, f"{MAX_BROKER_CONSUME_STATS} GET_BROKER_CONSUME_STATS are being "
-                                                      f"answered already, try again later")
-    ctx.broker_consume_stats += 1
-    try:
-        return await _broker_consume_stats(ctx, conn, cmd)
-    finally:
-        ctx.broker_consume_stats -= 1
-
-
-async def _broker_consume_stats(ctx, conn, cmd):
     """GET_BROKER_CONSUME_STATS (317), mqadmin brokerConsumeStats: every group's ConsumeStats of each topic it holds
     offsets on, a ConsumeStatsList {"brokerAddr","consumeStatsList":[{group:[ConsumeStats]}],"totalDiff"}, as
     4.9.8's AdminBrokerProcessor.fetchAllConsumeStatsInBroker: the groups of its subscription table (here the
@@ -124,7 +112,8 @@ async def _broker_consume_stats(ctx, conn, cmd):
 
     The body is the whole broker's progress in one frame: past max_frame_size (RocketMQ's 16 MiB, what a client
     reads) it is refused SYSTEM_ERROR as soon as it is, naming what to ask instead. Sent whole, 200 groups on 100
-    topics of 8 queues were 19.6 MB that mqadmin could not decode, and 8 such requests at once held 330 MB."""
+    topics of 8 queues were 19.6 MB that mqadmin could not decode, and 8 such requests at once held 330 MB.
+    MAX_BROKER_CONSUME_STATS are gathered at once (RocketMQ's 16 admin threads), one past them SYSTEM_BUSY."""
     order_only = cmd.bool_field("isOrder", False)
     known = set(ctx.clients.consumers).union(ctx.offsets.groups(), ctx.subscriptions.groups, SYSTEM_GROUPS)
     entries, total_diff, read, size = [], 0, 0, 0
