@@ -80,6 +80,7 @@ class BrokerContext:
     config_version: int = 0          # live configuration changes (GET_BROKER_CONFIG's version counter)
     routes_write_wiped: bool = False  # wipeWritePerm on its name server: routes say no writes (processors/namesrv)
     forwarding: int = 0              # requests waiting for a consumer's answer (processors/forward.py)
+    broker_consume_stats: int = 0    # GET_BROKER_CONSUME_STATS being gathered (processors/ops.py)
     # remote address -> [lock, its large heartbeats waiting or under way] (processors/client.py)
     heartbeat_turns: dict = field(default_factory=dict)
     uniq_ids: UniqIdGenerator = field(default_factory=UniqIdGenerator)

@@ -463,3 +463,20 @@ def _read_nothing(conn) -> bool:
     stuck = unread >= conn.quiet_unsent
     conn.quiet_unsent = unread
     return stuck
+
+
+def at_most(counter: str, limit: int, busy: str):
+    """A decorator: the request handler it wraps runs ``limit`` requests at once at most (counted in the context's
+    ``counter``), one past them answered SYSTEM_BUSY ``busy``."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def limited(ctx, conn, cmd):
+            if getattr(ctx, counter) >= limit:
+                return cmd.response(ResponseCode.SYSTEM_BUSY, busy)
+            setattr(ctx, counter, getattr(ctx, counter) + 1)
+            try:
+                return await handler(ctx, conn, cmd)
+            finally:
+                setattr(ctx, counter, getattr(ctx, counter) - 1)
+        return limited
+    return wrap

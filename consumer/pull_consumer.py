@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from protocol.admin_bodies import decode_mq_table
+from protocol.admin_bodies import decode_mq_table, encode_client_consumer_status
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
@@ -166,6 +166,14 @@ class PullConsumer:
         self._sub_version = 0           # the last heartbeat's subVersion: each one's is later (heartbeat)
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
+        # fn(jstack: bool) -> the ConsumerRunningInfo body of GET_CONSUMER_RUNNING_INFO (a push consumer's; a pull
+        # consumer has no process queues to say and answers it REQUEST_CODE_NOT_SUPPORTED)
+        self.running_info = None
+        # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's),
+        # or a str: why it was not consumed (answered SYSTEM_ERROR)
+        self.consume_directly = None
+        # fn(topic) -> the GetConsumerStatusBody of GET_CONSUMER_STATUS_FROM_CLIENT (a push consumer's offsets)
+        self.consumer_status = None
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self) -> "PullConsumer":
@@ -180,10 +188,61 @@ class PullConsumer:
             self.on_ids_changed()
         elif cmd.code == RequestCode.RESET_CONSUMER_CLIENT_OFFSET:
             return self._on_reset(cmd)
+        elif cmd.code == RequestCode.GET_CONSUMER_RUNNING_INFO and self.running_info is not None:
+            return self._on_running_info(cmd)
+        elif cmd.code == RequestCode.CONSUME_MESSAGE_DIRECTLY and self.consume_directly is not None:
+            return self._on_consume_directly(cmd)
+        elif cmd.code == RequestCode.GET_CONSUMER_STATUS_FROM_CLIENT and self.consumer_status is not None:
+            # (mqadmin getConsumerStatus, through the broker's 223) a Java consumer's: its offsets of the topic,
+            # an empty table for a group it is not
+            offsets = self.consumer_status(cmd.ext_fields.get("topic")) if cmd.ext_fields.get("group") == self.group \
+                else {}
+            return cmd.response(ResponseCode.SUCCESS, body=encode_client_consumer_status(offsets))
         # Said at once: left unanswered, a broker passing on an operator's GET_CONSUMER_RUNNING_INFO or
         # CONSUME_MESSAGE_DIRECTLY waited 10 s for it, and the operator's tool gave up first.
         return None if cmd.is_oneway else cmd.response(ResponseCode.REQUEST_CODE_NOT_SUPPORTED,
                                                       f"txmq consumer does not serve request {cmd.code}")
+
+    @property
+    def sub_version(self) -> int:
+        """The subVersion of the subscriptions the last heartbeat carried (0 before the first)."""
+        return self._sub_version
+
+    def _not_our_group(self, cmd):
+        """SYSTEM_ERROR as a Java consumer's ClientRemotingProcessor answers a group it is not, else None."""
+        group = cmd.ext_fields.get("consumerGroup")
+        if group == self.group:
+            return None
+        return cmd.response(ResponseCode.SYSTEM_ERROR, f"The Consumer Group <{group}> not exist in this consumer")
+
+    def _on_running_info(self, cmd):
+        """GET_CONSUMER_RUNNING_INFO (mqadmin consumerStatus, consumerProgress -s, passed on by the broker)."""
+        other = self._not_our_group(cmd)
+        if other is not None:
+            return other
+        jstack = str(cmd.ext_fields.get("jstackEnable", "false")).lower() == "true"
+        return cmd.response(ResponseCode.SUCCESS, body=self.running_info(jstack))
+
+    def _on_consume_directly(self, cmd):
+        """CONSUME_MESSAGE_DIRECTLY (mqadmin queryMsgById -g -d, the dashboard's resend): the stored record the
+        broker passed on handed to the listener once more, its ConsumeMessageDirectlyResult answered."""
+        other = self._not_our_group(cmd)
+        if other is not None:
+            return other
+        try:
+            [msg] = decode_records(cmd.body_bytes())
+        except (BrokerError, ValueError) as exc:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"the message passed on does not decode: {exc}")
+        why = inflate(msg, self.max_inflated_body) if msg.sys_flag & SysFlag.COMPRESSED else None
+        if why is not None:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"message {msg.msg_id}: {why}")
+
+        async def answer():
+            body = await self.consume_directly(msg)
+            if isinstance(body, str):
+                return cmd.response(ResponseCode.SYSTEM_ERROR, body)
+            return cmd.response(ResponseCode.SUCCESS, body=body)
+        return answer()
 
     def _on_reset(self, cmd):
         """An operator reset the group's offsets (INVOKE_BROKER_TO_RESET_OFFSET): remember them in

@@ -26,10 +26,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import json
 import logging
+import sys
+import threading
 import time
+import traceback
 from typing import Any, Callable
 
+from protocol.admin_bodies import encode_consumer_running_info
 from protocol.connection import finish_within, jittered, wait_within
 from protocol.errors import (BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError,
                              TopicNotExistError)
@@ -70,6 +75,13 @@ class ConsumeStatus(enum.Enum):
 # consume_from -> the consumeFromWhere a heartbeat says (ConsumeFromWhere's names)
 _CONSUME_FROM = {"first": "CONSUME_FROM_FIRST_OFFSET", "last": "CONSUME_FROM_LAST_OFFSET",
                  "timestamp": "CONSUME_FROM_TIMESTAMP"}
+
+
+def thread_stacks() -> str:
+    """Every thread's stack, as a Java consumer's jstack (GET_CONSUMER_RUNNING_INFO with jstackEnable)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"{names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+                     for ident, frame in sys._current_frames().items())
 
 
 class PushConsumer:
@@ -165,6 +177,15 @@ class PushConsumer:
         self.client.on_ids_changed = self._request_rebalance
         self.client.pool.on_lost = self._on_connection_lost
         self.client.on_reset_offset = self._on_reset_offset
+        self.client.running_info = self._running_info
+        self.client.consume_directly = self._consume_directly
+        self.client.consumer_status = lambda topic: {(mq.topic, mq.broker_name, mq.queue_id): offset
+                                                     for mq, offset in self._offsets.items() if mq.topic == topic}
+        self._started_ms = 0              # wall-clock ms start() was called at (PROP_CONSUMER_START_TIMESTAMP)
+        # queue -> wall-clock ms of its last pull answered and of its last message consumed (GET_CONSUMER_RUNNING_INFO)
+        self._pulled_ms: dict[MessageQueue, int] = {}
+        self._consumed_ms: dict[MessageQueue, int] = {}
+        self._direct: set[asyncio.Task] = set()    # listener calls of CONSUME_MESSAGE_DIRECTLY running (shutdown)
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
@@ -232,6 +253,7 @@ class PushConsumer:
 
     async def start(self) -> "PushConsumer":
         """Announce the group, take this consumer's share of the queues and start consuming; returns self."""
+        self._started_ms = int(time.time() * 1000)
         for topic, expression in self._topics().items():
             try:
                 await self.client.fetch_queues(topic)
@@ -384,6 +406,55 @@ class PushConsumer:
             if lost and retry is None:      # connections that keep breaking: at most two beats a second for them
                 await asyncio.sleep(min(_BEAT_RETRY_S, self.rebalance_interval_s))
 
+    def _running_info(self, jstack: bool) -> bytes:
+        """The ConsumerRunningInfo body a Java push consumer answers GET_CONSUMER_RUNNING_INFO with
+        (DefaultMQPushConsumerImpl.consumerRunningInfo): the properties mqadmin consumerStatus reads (consume type,
+        orderly, start time), the subscriptions, and a ProcessQueueInfo of each queue this consumer holds. Left
+        unanswered (REQUEST_CODE_NOT_SUPPORTED), consumerStatus and consumerProgress -s failed on a txmq consumer."""
+        now_wall, now_mono = time.time() * 1000, time.monotonic()
+        props = {"consumerGroup": self.group, "messageModel": self.message_model,
+                 "consumeFromWhere": _CONSUME_FROM[self.consume_from], "consumeTimestamp": str(self.consume_timestamp_ms),
+                 "maxReconsumeTimes": str(self.max_reconsume_times), "instanceName": self.client.client_id.split("@")[-1],
+                 "PROP_NAMESERVER_ADDR": "".join(f"{a};" for a in self.client.namesrv_addrs),
+                 "PROP_CONSUME_TYPE": "CONSUME_PASSIVELY", "PROP_CONSUMEORDERLY": str(self.orderly).lower(),
+                 "PROP_CONSUMER_START_TIMESTAMP": str(self._started_ms), "PROP_CLIENT_VERSION": "V4_9_8"}
+        subs = [as_selector(e).subscription_data(t, self.client.sub_version)
+                for t, e in self.client.subscriptions.items()]
+        queues = {}
+        for mq in self._owned:
+            offset, in_hand = self._offsets.get(mq, -1), mq in self._consuming
+            granted = self._locks.get(mq)
+            queues[(mq.topic, mq.broker_name, mq.queue_id)] = {
+                "cachedMsgCount": int(in_hand), "cachedMsgMaxOffset": offset if in_hand else 0,
+                "cachedMsgMinOffset": offset if in_hand else 0, "cachedMsgSizeInMiB": 0, "commitOffset": offset,
+                "droped": mq in self._leaving, "lastConsumeTimestamp": self._consumed_ms.get(mq, 0),
+                "lastLockTimestamp": 0 if granted is None else int(now_wall - (now_mono - granted) * 1000),
+                "lastPullTimestamp": self._pulled_ms.get(mq, 0), "locked": self._locked(mq),
+                "transactionMsgCount": 0, "transactionMsgMaxOffset": 0, "transactionMsgMinOffset": 0,
+                "tryUnlockTimes": 0}
+        return encode_consumer_running_info(props, subs, queues, thread_stacks() if jstack else None)
+
+    async def _consume_directly(self, msg: MessageExt) -> bytes | str:
+        """A message an operator hands this consumer (CONSUME_MESSAGE_DIRECTLY) given to the listener once, beside
+        the pull loops, as ConsumeMessage{Concurrently,Orderly}Service.consumeMessageDirectly: its offset moves
+        nothing and a failure is not sent back. The ConsumeMessageDirectlyResult: CR_SUCCESS, or CR_LATER for a
+        listener that asked for it again, raised or ran past consume_timeout_s (said in the log, as always).
+        Shutdown keeps to it as to the pull loops' calls: none begins once it has begun (refused, saying so), and
+        one running is given shutdown_grace_s, then cancelled."""
+        if self._stopping:
+            return f"push consumer {self.group} is shutting down: message {msg.msg_id} not given to its listener"
+        self._as_subscribed(msg)
+        began = time.monotonic()
+        task = asyncio.current_task()
+        self._direct.add(task)
+        try:
+            status = await self._call_listener(msg)
+        finally:
+            self._direct.discard(task)
+        result = "CR_SUCCESS" if status is ConsumeStatus.CONSUME_SUCCESS else "CR_LATER"
+        return json.dumps({"autoCommit": True, "consumeResult": result, "order": self.orderly,
+                           "spentTimeMills": int((time.monotonic() - began) * 1000)}, separators=(",", ":")).encode()
+
     async def _heartbeat(self, only: list[str] | None = None) -> None:
         await self.client.heartbeat("CONSUME_PASSIVELY", _CONSUME_FROM[self.consume_from], self.message_model,
                                     only=only)
@@ -489,6 +560,16 @@ class PushConsumer:
                 if task in stuck:
                     self._abandon(mq, task)
 
+    async def _let_direct_finish(self) -> None:
+        """Shutdown: the listener calls of CONSUME_MESSAGE_DIRECTLY running given shutdown_grace_s, then cancelled
+        (left, one went on up to consume_timeout_s after the consumer was gone), waited for at most
+        abandon_after_s more."""
+        late = await finish_within(self._direct, self.shutdown_grace_s)
+        if late:
+            log.warning("push consumer %s: %d listener call(s) of a message handed directly still running after "
+                        "%g s (shutdown_grace_s): cancelled", self.group, len(late), self.shutdown_grace_s)
+            await asyncio.wait(late, timeout=self.abandon_after_s)
+
     def _abandon(self, mq: MessageQueue, task: asyncio.Task) -> None:
         """Give up on pull loop ``task`` of ``mq``, whose listener call ignored its cancel: it is no longer
         waited for, its message is not committed (the queue's next consumer gets it, perhaps while this
@@ -540,6 +621,8 @@ class PushConsumer:
                 self._offsets.pop(mq, None)
                 self._committed.pop(mq, None)
                 self._known_stored.pop(mq, None)
+                self._pulled_ms.pop(mq, None)
+                self._consumed_ms.pop(mq, None)
             if failed is not None:
                 raise failed
             if self.orderly:
@@ -801,6 +884,7 @@ class PushConsumer:
                 if offset is None:
                     offset = self._offsets[mq] = await self._resume_offset(mq)
                 res = await self.client.pull(mq, offset, expression=expression, suspend_ms=self.suspend_ms)
+                self._pulled_ms[mq] = int(time.time() * 1000)
                 for msg in res.messages:
                     if self._halted(mq):
                         break          # shutdown or given away: the rest of the batch is the next consumer's
@@ -819,6 +903,7 @@ class PushConsumer:
                         # offset is no longer this loop's to move (a loop started since may hold it).
                         return
                     self._offsets[mq] = msg.queue_offset + 1
+                    self._consumed_ms[mq] = int(time.time() * 1000)
                 else:
                     if res.status is PullStatus.OFFSET_ILLEGAL:
                         self._offset_moved(mq, offset, res)
@@ -913,9 +998,13 @@ class PushConsumer:
             log.warning("listener returned %r on %s, not a ConsumeStatus: RECONSUME_LATER", status, msg.msg_id)
         return ConsumeStatus.RECONSUME_LATER
 
-    async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+    def _as_subscribed(self, msg: MessageExt) -> None:
+        """A retry's topic made the one the user subscribed to (RocketMQ's resetRetryAndNamespace)."""
         if msg.topic == self.retry_topic and Prop.RETRY_TOPIC in msg.properties:
-            msg.topic = msg.properties[Prop.RETRY_TOPIC]     # the user sees the topic it subscribed to
+            msg.topic = msg.properties[Prop.RETRY_TOPIC]
+
+    async def _consume(self, mq: MessageQueue, msg: MessageExt) -> None:
+        self._as_subscribed(msg)
         if self.orderly or self.broadcasting:
             return await self._consume_in_place(mq, msg)
         while True:
@@ -1055,7 +1144,8 @@ class PushConsumer:
         # Queues being handed over are given no longer than shutdown's grace either; their hand-over then
         # commits and unlocks them, and is waited for below.
         loops = [*self._loops.items(), *self._leaving.items()]
-        await self._let_finish(loops, self.shutdown_grace_s, "", "shutdown_grace_s")
+        await asyncio.gather(self._let_finish(loops, self.shutdown_grace_s, "", "shutdown_grace_s"),
+                             self._let_direct_finish())
         await asyncio.gather(*others, *(task for _, task in loops if task not in self._abandoned),
                              return_exceptions=True)
         self._loops.clear()

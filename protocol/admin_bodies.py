@@ -47,6 +47,18 @@ def encode_consume_stats(rows: dict[MQ, tuple[int, int, int]], tps: float = 0.0)
     return (consume_stats_head(tps) + consume_stats_members(rows, sorted(rows)) + "}}").encode()
 
 
+def encode_consumer_running_info(properties: dict[str, str], subscriptions: list[dict], queues: dict[MQ, dict],
+                                 jstack: str | None = None) -> bytes:
+    """ConsumerRunningInfo as fastjson writes it: {"jstack" (when asked), "mqTable":{MessageQueue:
+    ProcessQueueInfo}, "properties", "statusTable":{topic: ConsumeStatus}, "subscriptionSet":[SubscriptionData]}, the
+    queues in MessageQueue's order and the subscriptions in SubscriptionData's (topic@subString), as the TreeMap and
+    TreeSet a Java consumer fills. The statusTable is left empty: a txmq consumer measures no pull/consume rates."""
+    subs = sorted(subscriptions, key=lambda s: f"{s['topic']}@{s['subString']}")
+    head = f'{{"jstack":{dump(jstack)},' if jstack is not None else "{"
+    return (f'{head}"mqTable":{_mq_map((mq, dump(info)) for mq, info in sorted(queues.items()))},'
+            f'"properties":{dump(properties)},"statusTable":{{}},"subscriptionSet":{dump(subs)}}}').encode()
+
+
 # encode_consume_stats in parts, for a caller that writes the members a slice at a time (broker.slices.
 # members_in_slices): head, the members of each slice of the sorted queues, joined by ",", then "}}".
 def consume_stats_head(tps: float) -> str:
@@ -62,6 +74,12 @@ def encode_topic_stats(rows: dict[MQ, tuple[int, int, int]]) -> bytes:
     table = _mq_map((mq, f'{{"lastUpdateTimestamp":{t},"maxOffset":{hi},"minOffset":{lo}}}')
                     for mq, (lo, hi, t) in sorted(rows.items()))
     return f'{{"offsetTable":{table}}}'.encode()
+
+
+def encode_client_consumer_status(offsets: dict[MQ, int]) -> bytes:
+    """One consumer's GetConsumerStatusBody, its answer to GET_CONSUMER_STATUS_FROM_CLIENT:
+    {"consumerTable":{},"messageQueueTable":{MessageQueue: offset}}."""
+    return ('{"consumerTable":{},"messageQueueTable":' + _mq_map(sorted(offsets.items())) + "}").encode()
 
 
 def consumer_status_steps(by_client: dict[str, dict[MQ, int]], per_step: int = 2048):

@@ -47,6 +47,7 @@ def broker_table() -> dict:
         R.INVOKE_BROKER_TO_RESET_OFFSET: ops.reset_offset,
         R.CLONE_GROUP_OFFSET: ops.clone_group_offset,
         R.GET_CONSUME_STATS: ops.get_consume_stats,
+        R.GET_BROKER_CONSUME_STATS: ops.get_broker_consume_stats,
         R.GET_CONSUMER_CONNECTION_LIST: ops.get_consumer_connection_list,
         R.GET_PRODUCER_CONNECTION_LIST: ops.get_producer_connection_list,
         R.GET_ALL_PRODUCER_INFO: ops.get_all_producer_info,

@@ -21,7 +21,6 @@ At most MAX_FORWARDING of these wait for consumers at once, broker-wide; past it
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 
 from protocol.admin_bodies import consumer_status_steps, mq_table_steps
@@ -30,6 +29,7 @@ from protocol.command import RemotingCommand
 from protocol.errors import RequestTimeoutError
 from protocol.message import decode_offset_msg_id
 
+from ..limits import at_most
 from ..slices import in_steps, stop_if_gone
 from .admin import stored_record
 
@@ -43,18 +43,8 @@ STATUS_TIMEOUT_S = 5.0          # and its getConsumeStatus
 MAX_FORWARDING = 64
 
 
-def _limited(handler):
-    @functools.wraps(handler)
-    async def limited(ctx, conn, cmd):
-        if ctx.forwarding >= MAX_FORWARDING:
-            return cmd.response(ResponseCode.SYSTEM_BUSY, f"{MAX_FORWARDING} requests are waiting for consumers' "
-                                                          f"answers already, try again later")
-        ctx.forwarding += 1
-        try:
-            return await handler(ctx, conn, cmd)
-        finally:
-            ctx.forwarding -= 1
-    return limited
+_limited = at_most("forwarding", MAX_FORWARDING,
+                   f"{MAX_FORWARDING} requests are waiting for consumers' answers already, try again later")
 
 
 @_limited

@@ -1,7 +1,7 @@
 """Operators' codes, with the bodies a 4.x broker writes (protocol/admin_bodies.py):
 
-GET_CONSUME_STATS (208), GET_CONSUMER_CONNECTION_LIST (203), GET_PRODUCER_CONNECTION_LIST (204),
-GET_TOPIC_STATS_INFO (202), GET_BROKER_RUNTIME_INFO (28), QUERY_TOPIC_CONSUME_BY_WHO (300),
+GET_CONSUME_STATS (208), GET_BROKER_CONSUME_STATS (317), GET_CONSUMER_CONNECTION_LIST (203),
+GET_PRODUCER_CONNECTION_LIST (204), GET_TOPIC_STATS_INFO (202), GET_BROKER_RUNTIME_INFO (28), QUERY_TOPIC_CONSUME_BY_WHO (300),
 GET_ALL_SUBSCRIPTIONGROUP_CONFIG (201), UPDATE_AND_CREATE_SUBSCRIPTIONGROUP (200), DELETE_SUBSCRIPTIONGROUP (207),
 DELETE_TOPIC_IN_BROKER (215), INVOKE_BROKER_TO_RESET_OFFSET (222), which tells live consumers with
 RESET_CONSUMER_CLIENT_OFFSET (220), and CLONE_GROUP_OFFSET (314).
@@ -21,9 +21,9 @@ from protocol.message import validate_group, validate_topic
 from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
-from ..limits import peer_host
+from ..limits import at_most, peer_host
 from ..slices import members_in_slices, stop_if_gone
-from ..subscriptions import retry_queues
+from ..subscriptions import SYSTEM_GROUPS, retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import refused_on_slave, topics_saved
 from ..store.offsets import ADMIN_REST_MAX_S
@@ -35,6 +35,10 @@ log = logging.getLogger("txmq.ops")
 VERSION_DESC = "V4_9_8"
 SUBSCRIPTION_SLICE = 2000       # subscriptions written between two turns of the loop (GET_CONSUMER_CONNECTION_LIST)
 CONSUME_STATS_SLICE = 2048      # queues read, and written, between two turns (GET_CONSUME_STATS; topics: 1,024 each)
+_RESPONSE_HEAD_ROOM = 1024     # bytes of a frame a response's length, header and brokerAddr may take beside its body (GET_BROKER_CONSUME_STATS)
+# GET_BROKER_CONSUME_STATS gathered at once (each holds up to a frame until sent; RocketMQ answers admin codes on
+# 16 threads); one past them SYSTEM_BUSY
+MAX_BROKER_CONSUME_STATS = 4
 PRODUCER_GROUP_SLICE = 512      # producer groups written between two turns (GET_ALL_PRODUCER_INFO)
 
 
@@ -76,14 +80,74 @@ async def get_consume_stats(ctx, conn, cmd):
             continue
         tps += ctx.metrics.consume_tps(group, t)
         read += max(1, tc.read_queue_nums)
-        for qid in range(tc.read_queue_nums):
-            broker_offset = max(0, ctx.store.max_offset(t, qid))
-            consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
-            last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
-            rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
+        rows.update(_offset_rows(ctx, group, t, tc, read=True))
     return cmd.response(ResponseCode.SUCCESS, body=await members_in_slices(
         consume_stats_head(tps), sorted(rows), CONSUME_STATS_SLICE, functools.partial(consume_stats_members, rows),
         ",", "}}", conn))
+
+
+def _offset_rows(ctx, group: str, t: str, tc, read: bool) -> dict:
+    """ConsumeStats' OffsetWrapper of each of topic ``t``'s read (or write) queues (its config ``tc``):
+    {MessageQueue: (broker offset, ``group``'s offset, store time of the last message it consumed)}, each at least 0."""
+    rows = {}
+    for qid in range(_queue_nums(tc, read)):
+        broker_offset = max(0, ctx.store.max_offset(t, qid))
+        consumer_offset = max(0, ctx.offsets.get(group, t, qid) or 0)
+        last = ctx.store.store_time_of(t, qid, consumer_offset - 1) if consumer_offset > 0 else 0
+        rows[(t, ctx.config.broker_name, qid)] = (broker_offset, consumer_offset, max(last, 0))
+    return rows
+
+
+@at_most("broker_consume_stats", MAX_BROKER_CONSUME_STATS,
+         f"{MAX_BROKER_CONSUME_STATS} GET_BROKER_CONSUME_STATS are being answered already, try again later")
+async def get_broker_consume_stats(ctx, conn, cmd):
+    """GET_BROKER_CONSUME_STATS (317), mqadmin brokerConsumeStats: every group's ConsumeStats of each topic it holds
+    offsets on, a ConsumeStatsList {"brokerAddr","consumeStatsList":[{group:[ConsumeStats]}],"totalDiff"}, as
+    4.9.8's AdminBrokerProcessor.fetchAllConsumeStatsInBroker: the groups of its subscription table (here the
+    stored, system and known ones GET_ALL_SUBSCRIPTIONGROUP_CONFIG lists), each topic's write queues, a topic
+    gone or (isOrder) not ordered left out, and one the group's online members do not read (as GET_CONSUME_STATS);
+    totalDiff the sum of broker less consumer offsets. Read CONSUME_STATS_SLICE queues between two turns of the
+    loop, as 208's (a broker holding 100,000 offsets is as many rows). It was REQUEST_CODE_NOT_SUPPORTED, and the
+    command failed.
+
+    The body is the whole broker's progress in one frame: past max_frame_size (RocketMQ's 16 MiB, what a client
+    reads) it is refused SYSTEM_ERROR as soon as it is, naming what to ask instead. Sent whole, 200 groups on 100
+    topics of 8 queues were 19.6 MB that mqadmin could not decode, and 8 such requests at once held 330 MB.
+    MAX_BROKER_CONSUME_STATS are gathered at once (RocketMQ's 16 admin threads), one past them SYSTEM_BUSY."""
+    order_only = cmd.bool_field("isOrder", False)
+    known = set(ctx.clients.consumers).union(ctx.offsets.groups(), ctx.subscriptions.groups, SYSTEM_GROUPS)
+    entries, total_diff, read, size = [], 0, 0, 0
+    room = ctx.config.max_frame_size - _RESPONSE_HEAD_ROOM
+    for group in sorted(known):
+        read += 1       # (a group with no offset is a member of the body too)
+        stats = []
+        size += len(group) + 8
+        for t in ctx.offsets.topics_of(group):
+            if read >= CONSUME_STATS_SLICE:     # (before each topic: a group's may be thousands of queues)
+                read = 0
+                await asyncio.sleep(0)
+                stop_if_gone(conn)
+            read += 1
+            tc = ctx.topics.get(t)
+            if tc is None or (order_only and not tc.order) or ctx.clients.reads_elsewhere(group, t):
+                continue
+            read += tc.write_queue_nums
+            rows = _offset_rows(ctx, group, t, tc, read=False)
+            total_diff += sum(broker - consumer for broker, consumer, _ in rows.values())
+            stats.append(consume_stats_head(ctx.metrics.consume_tps(group, t))
+                         + consume_stats_members(rows, sorted(rows)) + "}}")
+            size += len(stats[-1]) + 1
+            if size > room:     # (checked at each topic: one group's may be the whole frame)
+                return cmd.response(ResponseCode.SYSTEM_ERROR, (
+                    f"the ConsumeStatsList of every group passed {human_bytes(room)} at group {group} ({len(entries)}"
+                    f" of {len(known)} groups before it), more than the frame a client reads (max_frame_size "
+                    f"{human_bytes(ctx.config.max_frame_size)}): ask each group's progress with mqadmin "
+                    f"consumerProgress -g GROUP (GET_CONSUME_STATS), or brokerConsumeStats -o true for the ordered "
+                    f"topics only"))
+        entries.append(f"{{{dump(group)}:[{','.join(stats)}]}}")
+    body = (f'{{"brokerAddr":{dump(ctx.broker_addr)},"consumeStatsList":[{",".join(entries)}],'
+            f'"totalDiff":{total_diff}}}')
+    return cmd.response(ResponseCode.SUCCESS, body=body.encode())
 
 
 def subscription_data(topic: str, s) -> dict:

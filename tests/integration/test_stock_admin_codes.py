@@ -4,11 +4,12 @@ it (docs/compatibility.md has the whole table)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
 
-from consumer import PullConsumer
+from consumer import ConsumeStatus, PullConsumer, PushConsumer
 from producer import Producer
 from protocol.admin_bodies import decode_mq_table
 from protocol.codes import LanguageCode, ResponseCode
@@ -756,3 +757,268 @@ async def test_a_clone_of_many_offsets_is_said_in_a_line_of_bounded_length(broke
         conn.close()
     said = [line for line in broker.log_path.read_text().splitlines() if "[clone-group-offset]" in line]
     assert len(said) == 1 and "512 offsets" in said[0] and len(said[0]) < 1000, (len(said[0]), said[0][:300])
+
+
+@bounded(60)
+async def test_broker_consume_stats_lists_every_groups_progress_as_4_9_8(broker):
+    """mqadmin brokerConsumeStats sends GET_BROKER_CONSUME_STATS (317) {isOrder}: it was REQUEST_CODE_NOT_SUPPORTED
+    and the command failed. Answered as 4.9.8's fetchAllConsumeStatsInBroker: a ConsumeStatsList of each group's
+    ConsumeStats per topic it holds offsets on (write queues), a topic its online members do not read left out,
+    with isOrder only ordered topics, totalDiff the sum of broker less consumer offsets."""
+    conn = await _connect(broker.broker)
+    member = await _connect(broker.broker)
+
+    async def stats(order: bool) -> dict[str, list[dict]]:
+        """{group: [{(topic, queue id): (broker offset, consumer offset)} of each ConsumeStats]}"""
+        reply = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": order}), 10)
+        assert (reply.code, reply.remark) == (ResponseCode.SUCCESS, None)
+        obj, _ = decode_mq_table(reply.body_bytes(), "-")       # (its MessageQueue keys made strings)
+        assert list(obj) == ["brokerAddr", "consumeStatsList", "totalDiff"]     # fastjson's order
+        assert obj["brokerAddr"] == broker.broker
+        groups = {}
+        for entry in obj["consumeStatsList"]:
+            ((group, per_topic),) = entry.items()
+            assert all(list(s) == ["consumeTps", "offsetTable"] for s in per_topic)
+            groups[group] = [{(mq["topic"], mq["queueId"]): (w["brokerOffset"], w["consumerOffset"])
+                              for mq, w in ((json.loads(k), w) for k, w in s["offsetTable"].items())}
+                             for s in per_topic]
+        assert obj["totalDiff"] == sum(b - c for stats in groups.values() for t in stats for b, c in t.values())
+        return groups
+
+    try:
+        for topic, order in (("BcsPlain", "false"), ("BcsOrder", "true"), ("Orders", "false")):
+            reply = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+                "topic": topic, "readQueueNums": 2, "writeQueueNums": 2, "perm": 6, "order": order}), 5)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+            await _send_to_queue(conn, topic, 0, 4)
+        await _commit(conn, "CG_bcs", "BcsPlain", 0, 1)
+        await _commit(conn, "CG_bcs", "BcsOrder", 0, 3)
+        await _commit(conn, "CG_bcs_online", "BcsPlain", 0, 2)
+        await _commit(conn, "CG_bcs_online", "Orders", 0, 4)
+        beat = await member.request(_consumer_heartbeat("10.0.0.9@9", "CG_bcs_online"), 5)    # reads Orders only
+        assert beat.code == ResponseCode.SUCCESS
+        groups = await stats(False)
+        assert groups["CG_bcs"] == [{("BcsOrder", 0): (4, 3), ("BcsOrder", 1): (0, 0)},
+                                    {("BcsPlain", 0): (4, 1), ("BcsPlain", 1): (0, 0)}]
+        assert groups["CG_bcs_online"] == [{("Orders", 0): (4, 4), ("Orders", 1): (0, 0)}]    # BcsPlain left out
+        assert groups["TOOLS_CONSUMER"] == []       # every group of the table, one with no offset too
+        ordered = await stats(True)
+        assert ordered["CG_bcs"] == [{("BcsOrder", 0): (4, 3), ("BcsOrder", 1): (0, 0)}]
+        assert ordered["CG_bcs_online"] == []
+    finally:
+        member.close()
+        conn.close()
+
+
+@contextlib.asynccontextmanager
+async def _consumed_by_txmq_push_consumer(broker, group: str):
+    """A txmq PushConsumer of ``group`` on Orders, once it consumed the 4 messages sent before it started."""
+    async with Producer(broker.namesrv, "PG_" + group) as producer:
+        for i in range(4):
+            await producer.send("Orders", f"m{i}".encode())
+    consumed = asyncio.Event()
+    seen = []
+
+    def listener(msg):
+        seen.append(msg.body)
+        if len(seen) == 4:
+            consumed.set()
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first")
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(consumed.wait(), 20)
+        yield consumer
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(broker):
+    """mqadmin consumerStatus and consumerProgress -s ask each consumer of the group, through the broker, for its
+    ConsumerRunningInfo (307): txmq's push consumer answered REQUEST_CODE_NOT_SUPPORTED, so both commands failed
+    on a group of txmq consumers. It answers as DefaultMQPushConsumerImpl.consumerRunningInfo: the properties
+    consumerStatus's analysis parses (consume type, orderly, start time), its subscriptions and a ProcessQueueInfo
+    of each queue it holds (the queues consumerProgress -s names its clients by); another group SYSTEM_ERROR."""
+    async with _consumed_by_txmq_push_consumer(broker, "CG_running") as consumer:
+        fields = {"consumerGroup": "CG_running", "clientId": consumer.client.client_id, "jstackEnable": "true"}
+        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
+        assert (info.code, info.remark) == (ResponseCode.SUCCESS, None)
+        obj, table = decode_mq_table(info.body_bytes(), "mqTable")
+        assert list(obj) == ["jstack", "mqTable", "properties", "statusTable", "subscriptionSet"]   # fastjson's
+        assert "MainThread" in obj["jstack"]
+        props = obj["properties"]
+        assert (props["PROP_CONSUME_TYPE"], props["PROP_CONSUMEORDERLY"]) == ("CONSUME_PASSIVELY", "false")
+        started = int(props["PROP_CONSUMER_START_TIMESTAMP"])
+        assert props["PROP_NAMESERVER_ADDR"] == broker.namesrv + ";"
+        assert {s["topic"] for s in obj["subscriptionSet"]} == {"Orders", "%RETRY%CG_running"}
+        assert {(t, q) for t, _b, q in table} == {(mq.topic, mq.queue_id) for mq in consumer._owned}
+        orders = {q: v for (t, _b, q), v in table.items() if t == "Orders"}
+        assert sum(v["commitOffset"] for v in orders.values()) == 4         # every message consumed
+        assert all(started <= min(v["lastPullTimestamp"], v["lastConsumeTimestamp"])
+                   for v in orders.values() if v["commitOffset"] > 0)
+        assert all(not v["droped"] and not v["locked"] for v in table.values())
+        other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, {**fields, "consumerGroup": "CG_other"})
+        assert other.code == ResponseCode.SYSTEM_ERROR     # (the broker: not online, or the consumer: not its group)
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(broker):
+    """mqadmin queryMsgById -g G -d C (the dashboard's resend) has the broker pass the stored message to that
+    consumer (CONSUME_MESSAGE_DIRECTLY, 309): txmq's push consumer answered REQUEST_CODE_NOT_SUPPORTED, and the
+    resend failed. It hands the message to its listener once more, as a Java push consumer's
+    consumeMessageDirectly, and answers a ConsumeMessageDirectlyResult: CR_SUCCESS, or CR_LATER when the
+    listener asks for it again (nothing sent back for it: the operator's call, not a delivery)."""
+    async with Producer(broker.namesrv, "PG_direct_txmq") as producer:
+        sent = await producer.send("Orders", b"resend me", tags="created")
+    seen = []
+    first = asyncio.Event()
+
+    def listener(msg):
+        seen.append((msg.topic, msg.body, msg.tags))
+        first.set()
+        return ConsumeStatus.CONSUME_SUCCESS if len(seen) < 3 else ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(broker.namesrv, "CG_direct_txmq", listener, consume_from="first")
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(first.wait(), 20)
+        fields = {"consumerGroup": "CG_direct_txmq", "clientId": consumer.client.client_id,
+                  "msgId": sent.offset_msg_id}
+        for expected in ("CR_SUCCESS", "CR_LATER"):
+            resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+            assert (resp.code, resp.remark) == (ResponseCode.SUCCESS, None)
+            result = json.loads(resp.body_bytes())
+            assert list(result) == ["autoCommit", "consumeResult", "order", "spentTimeMills"]    # fastjson's
+            assert (result["consumeResult"], result["order"], result["autoCommit"]) == (expected, False, True)
+        assert seen == [("Orders", b"resend me", "created")] * 3
+        other = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {**fields, "consumerGroup": "CG_other"})
+        assert other.code == ResponseCode.SYSTEM_ERROR and len(seen) == 3
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_txmq_push_consumer_tells_its_offsets_to_get_consumer_status(broker):
+    """mqadmin getConsumerStatus (223) has the broker ask each consumer for its offsets of the topic (221): txmq's
+    push consumer answered REQUEST_CODE_NOT_SUPPORTED and was left out, the tool printing nothing for a group of
+    them. It answers its offsets, as a Java push consumer's offset store (cloneOffsetTable)."""
+    async with _consumed_by_txmq_push_consumer(broker, "CG_status_txmq") as consumer:
+        resp = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                             {"topic": "Orders", "group": "CG_status_txmq"})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+        obj, _ = decode_mq_table(resp.body_bytes(), "messageQueueTable")
+        (cid, table), = obj["consumerTable"].items()
+        offsets = {json.loads(k)["queueId"]: v for k, v in table.items()}
+        assert cid == consumer.client.client_id
+        assert set(offsets) == {mq.queue_id for mq in consumer._owned if mq.topic == "Orders"}
+        assert sum(offsets.values()) == 4          # every message consumed
+
+
+@bounded(60)
+async def test_broker_consume_stats_past_a_frame_is_refused_naming_what_to_ask_instead(broker_factory):
+    """GET_BROKER_CONSUME_STATS (317) gathers every group's progress in one body: 200 groups holding offsets on 100
+    topics of 8 queues answered 19.6 MB, past the 16 MiB frame a Java mqadmin (and a txmq client) reads -- the
+    tool failed on a frame it could not decode -- and 8 such requests at once took the broker from 90 to 423 MB.
+    Past the broker's max_frame_size (RocketMQ's 16 MiB) it stops gathering and answers SYSTEM_ERROR saying so
+    and what to ask instead; a body within it is answered as ever."""
+    broker = broker_factory("--max-frame-size", "65536")
+    conn = await _connect(broker.broker)
+    try:
+        reply = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "BcsWide", "readQueueNums": 256, "writeQueueNums": 256, "perm": 6}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        for group in ("CG_wide_a", "CG_wide_b", "CG_wide_c"):       # each 256 rows, some 27 KB of the body
+            await _commit(conn, group, "BcsWide", 0, 0)
+        reply = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 10)
+        assert reply.code == ResponseCode.SYSTEM_ERROR, (reply.code, len(reply.body_bytes() or b""))
+        assert "max_frame_size" in reply.remark and "consumerProgress" in reply.remark, reply.remark
+        assert not reply.body_bytes()
+        ordered = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "true"}), 10)
+        assert ordered.code == ResponseCode.SUCCESS, ordered.remark     # (no ordered topic: a small body)
+        assert json.loads(ordered.body_bytes())["totalDiff"] == 0
+    finally:
+        conn.close()
+
+
+@bounded(60)
+async def test_a_message_handed_directly_keeps_to_the_push_consumers_shutdown(broker):
+    """PushConsumer.shutdown gives a running listener call shutdown_grace_s, then cancels it, and gives no new
+    message to the listener once it begins. A message handed to it by CONSUME_MESSAGE_DIRECTLY (309) did neither:
+    a listener still on one when shutdown returned kept running (up to consume_timeout_s, 900 s, after the
+    consumer was gone), and one handed during the shutdown's grace was given to the listener. Now the first is
+    cancelled with the pull loops' calls, and the second refused SYSTEM_ERROR without reaching the listener."""
+    async with Producer(broker.namesrv, "PG_direct_stop") as producer:
+        sent = await producer.send("Orders", b"hold me")
+    consumed, entered, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    calls, cancelled = [], []
+
+    async def listener(msg):
+        calls.append(msg.body)
+        if len(calls) == 1:                            # (the pull loop's delivery: consumed at once)
+            consumed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        entered.set()
+        try:
+            await release.wait()                       # never set: held until cancelled
+        except asyncio.CancelledError:
+            cancelled.append(msg.body)
+            raise
+        return ConsumeStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(broker.namesrv, "CG_direct_stop", listener, consume_from="first", shutdown_grace_s=0.5)
+    consumer.subscribe("Orders")
+    await consumer.start()
+    fields = {"consumerGroup": "CG_direct_stop", "clientId": consumer.client.client_id, "msgId": sent.offset_msg_id}
+    held = stopping = None
+    try:
+        await asyncio.wait_for(consumed.wait(), 20)
+        held = asyncio.create_task(request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields))
+        await asyncio.wait_for(entered.wait(), 20)
+        stopping = asyncio.create_task(consumer.shutdown())
+        for _ in range(100):                           # (shutdown's first step marks it stopping)
+            if consumer._stopping:
+                break
+            await asyncio.sleep(0)
+        assert consumer._stopping
+        late = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)     # (still in the group)
+        await stopping
+        assert cancelled == [b"hold me"], (calls, cancelled)      # the held call ended with the consumer
+    finally:
+        if stopping is None:
+            await consumer.shutdown()
+        if held is not None:
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+    assert late.code == ResponseCode.SYSTEM_ERROR and "shutting down" in late.remark, (late.code, late.remark)
+    assert calls == [b"hold me"] * 2        # the pull loop's and the held one: the late one not given
+
+
+@bounded(60)
+async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(broker):
+    """Each GET_BROKER_CONSUME_STATS (317) holds its body, up to a frame's 16 MiB, until it is sent, and they ran
+    all at once: 8 of 19.6 MB took the broker from 90 to 423 MB, and one connection may have 1,024 in flight.
+    RocketMQ answers admin codes on 16 threads; txmq works on MAX_BROKER_CONSUME_STATS of them at once and
+    answers one past that SYSTEM_BUSY, saying to try again."""
+    from broker.processors.ops import MAX_BROKER_CONSUME_STATS
+    conn = await _connect(broker.broker)
+    try:
+        reply = await conn.request(RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
+            "topic": "BcsBusy", "readQueueNums": 1024, "writeQueueNums": 1024, "perm": 6}), 5)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        for i in range(10):         # 10,240 queues to read: five turns of the loop each
+            await _commit(conn, f"CG_busy_{i}", "BcsBusy", 0, 0)
+        asked = MAX_BROKER_CONSUME_STATS + 4
+        replies = await asyncio.gather(*(conn.request(RemotingCommand.request(
+            R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 30) for _ in range(asked)))
+        codes = sorted(r.code for r in replies)
+        assert codes == [ResponseCode.SUCCESS] * MAX_BROKER_CONSUME_STATS + [ResponseCode.SYSTEM_BUSY] * 4, codes
+        busy = next(r for r in replies if r.code == ResponseCode.SYSTEM_BUSY)
+        assert "try again" in busy.remark, busy.remark
+        again = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 30)
+        assert again.code == ResponseCode.SUCCESS         # (each slot given back)
+    finally:
+        conn.close()
