@@ -173,6 +173,7 @@ class IndexService:
         self.back_roll_every_s = BACK_ROLL_EVERY_S
         self._back_rolled: float | None = None  # time.monotonic() a record older than its file started one
         self._back_said = -_CUT_LOG_EVERY_S
+        self._catch_up_from: tuple[int, float] | None = None   # (offset, time.monotonic()) the start's catch-up began
 
     # ------------------------------------------------------------ lifecycle
     def on_dispatch(self, info) -> None:
@@ -191,6 +192,7 @@ class IndexService:
         self._loop = asyncio.get_running_loop()
         self._log_min, self._seen_end = log_min, log_end
         await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        self._catch_up_from = (self.covered, time.monotonic())     # (said once the start's catch-up is through)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
         self._catching_up = True
         self._thread.start()
@@ -599,6 +601,12 @@ class IndexService:
                 self._failing = False
                 log.warning("index: caught up with the commit log again after a full disk (to offset %d)",
                             self.covered)
+            elif done and self._catch_up_from is not None and not self._closed and self.failed is None:
+                start, began = self._catch_up_from
+                self._catch_up_from = None
+                if hi > start:      # queries by key were answered from a prefix until now (their remark said so)
+                    log.info("index: caught up with the commit log (%d bytes from offset %d in %.1f s): queries by "
+                             "key search every message again", hi - start, start, time.monotonic() - began)
         finally:
             if done:
                 self._catching_up = False
@@ -730,7 +738,8 @@ class IndexService:
         if cut:
             self._said_cut(topic, key, len(found))
         last = files[-1] if files else None
-        return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut)
+        return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut,
+                           self.covered if self.partial else None)
 
     def _said_cut(self, topic: str, key: str, found: int) -> None:
         self.queries_cut += 1
@@ -778,6 +787,9 @@ class QueryResult(NamedTuple):
     last_ts: int            # the last file's END TIMESTAMP
     last_phy: int           # its END PHYOFFSET
     cut: bool               # MAX_QUERY_CHECKS records of the hash read and more left: older matches may be missed
+    # The commit-log offset from which records were not searched, taken on the index thread with the answer: the
+    # index catching up (a start, a resume after a full disk, a backlog) or stopped; None when it searched them all.
+    behind: int | None = None
 
 
 def _file_name(ms: int) -> str:

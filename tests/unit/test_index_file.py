@@ -629,7 +629,7 @@ async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_f
     svc = await _service(tmp_path, store)
     first = svc.query("T", "k0", 64, 0, 2**62)
     queued.set()
-    found, _, last_phy, _ = await asyncio.wait_for(first, 10)
+    found, _, last_phy, _, _ = await asyncio.wait_for(first, 10)
     assert last_phy < end // 4 and len(found) == 1      # answered a slice into the catch-up
     late = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))   # dispatched meanwhile
     for _ in range(end // 2048 + 2):                   # each query waits for at most one slice
@@ -641,6 +641,37 @@ async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_f
     assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 64
     assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [late.physical_offset]
     await svc.close()
+    await store.close()
+
+
+async def test_a_query_during_the_catch_up_says_from_which_offset_it_did_not_search(tmp_path, monkeypatch, caplog):
+    """A start after the index was lost (index/ removed, files found damaged, a long stop) catches up with the log in
+    slices, and a query meanwhile is answered from what is indexed so far: a key stored past that was answered
+    QUERY_NOT_FOUND "can not find message", nothing in the answer saying the search was partial. The answer now
+    carries the commit-log offset from which it did not search, taken with it on the index thread."""
+    monkeypatch.setattr(index_mod, "CATCH_UP_SLICE", 2048)
+    store = await _store_with(tmp_path, 300, seg=4096)
+    end = store.max_physical_offset
+    queued, scan = threading.Event(), IndexService._scan
+
+    def after_the_query_is_queued(self, *args):
+        queued.wait(10)
+        return scan(self, *args)
+    monkeypatch.setattr(IndexService, "_scan", after_the_query_is_queued)
+    with caplog.at_level(logging.INFO, logger="txmq.index"):
+        svc = await _service(tmp_path, store)
+        first = svc.query("T", "k299", 64, 0, 2**62)
+        queued.set()
+        early = await asyncio.wait_for(first, 10)
+        assert early.found == [] and early.behind is not None and 0 < early.behind < end, early
+        for _ in range(end // 2048 + 2):                   # each query waits for at most one slice
+            late = await asyncio.wait_for(svc.query("T", "k299", 64, 0, 2**62), 10)
+            if late.found:
+                break
+        assert len(late.found) == 1 and late.behind is None, late
+        await svc.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("caught up with the commit log" in m for m in said) == 1, said
     await store.close()
 
 
