@@ -24,7 +24,8 @@ every 10 s after an fsync of the files) and the newest entry's record, neither p
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
 message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
-from the commit log. A write error stops indexing (``failed``); a full disk's (ENOSPC, EDQUOT) is
+from the commit log. A write error stops indexing (``failed``); an OSError (a full disk's, ENOSPC or
+EDQUOT, or any other: out of descriptors, a mapping refused, an I/O error that passed) is
 tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
 error cut short undone) and the log is caught up from where they end, without a restart.
 """
@@ -84,7 +85,8 @@ _CUT_LOG_EVERY_S = 60.0
 BACK_ROLL_EVERY_S = 600.0
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room (said so)
+_NOT_DAMAGE = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)    # an index file not opened for these is not damaged
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
@@ -157,10 +159,11 @@ class IndexService:
         self._stopping = False          # close() queued the thread's last job: later jobs would never run
         self._saved = -1
         self.failed: str | None = None
-        # After a full disk stopped indexing: tried again every resume_every_s (see _resume). Without it a
+        # After a write error (a full disk's, an OSError) stopped indexing: tried again every resume_every_s (see _resume). Without it a
         # query by key missed every message stored after the disk was full, until the broker restarted.
         self.resume_every_s = PROGRESS_EVERY_S
-        self._resumable = False         # the failure was a full disk's
+        self._resumable = False         # the failure was an OSError's: tried again (_resume)
+        self._failed_kind: object = None    # its errno (or exception type): another one is said
         self._failed_at = 0.0
         self._failing = False           # in a failure run (said once): until a resume has caught up
         self._log_min = 0               # the log's first offset (open, expire) ...
@@ -299,6 +302,8 @@ class IndexService:
             try:
                 self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
             except (IndexCorrupt, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno in _NOT_DAMAGE:
+                    raise       # the process's, not the file's: removed and rebuilt for it, the index lost for nothing
                 self._drop_damaged(names[i:], str(exc))
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
@@ -385,20 +390,28 @@ class IndexService:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
-            resumable = isinstance(exc, OSError) and exc.errno in _NO_ROOM
-            # Once a failure run; again when a resume meets an error that is not retried: said nothing, the
-            # index stayed stopped until a restart while the log still promised a resume once there was room.
-            if (self.failed is None and not self._failing) or (self._resumable and not resumable):
+            # Any OSError, not only a full disk's: one that passes (out of descriptors, a mapping refused at
+            # vm.max_map_count, an I/O error, index/ removed) stopped indexing until the next restart, every later
+            # message missing from queries by key for as long as the broker ran. A resume reads the files back as a
+            # start does; one that fails again is quiet.
+            resumable = isinstance(exc, OSError)
+            kind = exc.errno if resumable else type(exc)
+            # Once a failure run; again when a resume meets another kind of error (one not retried, another errno):
+            # said nothing, the log still promised a resume once there was room.
+            if (self.failed is None and not self._failing) or kind != self._failed_kind:
                 log.exception("index thread: %s; indexing stops here and resumes from the commit log %s (queries "
                               "go on answering from what is indexed)", exc,
-                              "once the disk has room" if resumable else "at the next start")
+                              "once the disk has room" if resumable and exc.errno in _NO_ROOM else
+                              f"by itself once the error passes (tried again every {self.resume_every_s:.0f} s)"
+                              if resumable else "at the next start")
             self.failed = str(exc)
             self._failing, self._resumable, self._failed_at = True, resumable, time.monotonic()
+            self._failed_kind = kind
         finally:
             self._job_began = None
 
     def _resume(self) -> None:
-        """(Index thread) after a full disk stopped indexing: the files read back as a start-up reads them (the
+        """(Index thread) after a write error (a full disk's, an OSError) stopped indexing: the files read back as a start-up reads them (the
         entries of a batch the error cut short undone; the newest record's missing keys found again) and the log
         caught up from where they end to the last record dispatched, in slices, as at start-up. Failing again
         (the disk still full), it is tried again an interval later, without another word."""
@@ -599,7 +612,7 @@ class IndexService:
                 # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.
                 self._save_progress()
                 self._failing = False
-                log.warning("index: caught up with the commit log again after a full disk (to offset %d)",
+                log.warning("index: caught up with the commit log again after a write error stopped it (to offset %d)",
                             self.covered)
             elif done and self._catch_up_from is not None and not self._closed and self.failed is None:
                 start, began = self._catch_up_from
