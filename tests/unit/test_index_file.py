@@ -107,7 +107,8 @@ async def _store_with(tmp_path, n, *, keys=lambda i: f"k{i} shared", seg=4096 * 
 
 
 async def _service(tmp_path, store, **kw):
-    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=ENTRIES, **kw)
+    kw.setdefault("entries", ENTRIES)
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, **kw)
     store.add_dispatch_listener(svc.on_dispatch)
     await svc.open(store.min_physical_offset, store.max_physical_offset)
     return svc
@@ -357,65 +358,43 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
 
 
 @bounded(20)
-async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("method, error, entries, said", [
+    ("put_many", errno.ENOSPC, ENTRIES, "once the disk has room"),
+    # (a new index file every 3 entries, not opened: the process out of descriptors)
+    ("create", errno.EMFILE, 4, "by itself once the error passes (tried again every"),
+], ids=["full-disk", "no-descriptor"])
+async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path, monkeypatch, caplog, method, error,
+                                                                       entries, said):
     """A full disk stopped indexing until the next restart: every message stored from then on was missing from
     queries by key (mqadmin queryMsgByKey, a transaction's lookup by UNIQ_KEY) for as long as the broker ran.
     Now the index is read back and caught up from the log once a write fits again, without a restart; while the
-    disk stays full the attempts fail without another word."""
+    disk stays full the attempts fail without another word. Any other OSError of the index -- a new index file not
+    opened while the process was out of descriptors (EMFILE), a slot table not mapped (ENOMEM at vm.max_map_count),
+    an I/O error that passed -- still stopped it until the next restart (txmq_index_failed 1, the alert firing for
+    good): it is now tried again as a full disk's is."""
     store = await _store_with(tmp_path, 3)
-    svc = await _service(tmp_path, store)
+    svc = await _service(tmp_path, store, entries=entries)
     svc.resume_every_s = 0          # at each wake-up of the index thread (the default paces it by 10 s)
     await svc.query("T", "x", 1, 0, 1)
-    real = IndexFile.put_many
+    real = getattr(IndexFile, method)
 
-    def no_space(self, items):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(IndexFile, "put_many", no_space)
-    with caplog.at_level(logging.ERROR, logger="txmq.index"):
-        lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"lost{i}"})) for i in range(3)]
-        for _ in range(3):          # each query a turn of the index thread: a resume tried, and failing
-            assert (await svc.query("T", "lost0", 64, 0, 2**62))[0] == []
-    assert sum("indexing stops here" in r.getMessage() for r in caplog.records) == 1    # not once per attempt
-    monkeypatch.setattr(IndexFile, "put_many", real)
-    after = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"}))     # wakes the index thread
-    for _ in range(10):             # the resume's catch-up is queued behind a query already waiting
-        if (await svc.query("T", "after", 64, 0, 2**62))[0]:
-            break
-    assert svc.failed is None
-    for i, res in enumerate(lost):
-        assert (await svc.query("T", f"lost{i}", 64, 0, 2**62))[0] == [res.physical_offset]
-    assert (await svc.query("T", "after", 64, 0, 2**62))[0] == [after.physical_offset]
-    assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 3        # nothing indexed twice
-    await svc.close()
-    await store.close()
-
-
-@bounded(20)
-async def test_indexing_stopped_by_an_error_other_than_a_full_disk_resumes_once_it_passes(tmp_path, monkeypatch, caplog):
-    """Only a full disk's error (ENOSPC, EDQUOT) was tried again: any other write error of the index -- a new index
-    file that could not be opened while the process was out of descriptors (EMFILE), a slot table not mapped
-    (ENOMEM at vm.max_map_count), an I/O error that passed -- stopped indexing until the next restart, every message
-    stored since missing from queries by key for as long as the broker ran (txmq_index_failed 1, the alert firing
-    for good). Any OSError is now tried again as a full disk's is."""
-    store = await _store_with(tmp_path, 3)
-    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=4)
-    store.add_dispatch_listener(svc.on_dispatch)        # (a new index file every 3 entries)
-    await svc.open(store.min_physical_offset, store.max_physical_offset)
-    svc.resume_every_s = 0          # at each wake-up of the index thread (the default paces it by 10 s)
-    await svc.query("T", "x", 1, 0, 1)
-    real = IndexFile.create
-
-    def no_descriptor(*args, **kw):
-        raise OSError(errno.EMFILE, "Too many open files")
-    monkeypatch.setattr(IndexFile, "create", no_descriptor)
+    def refused(*args, **kw):
+        raise OSError(error, os.strerror(error))
+    monkeypatch.setattr(IndexFile, method, refused)
     with caplog.at_level(logging.ERROR, logger="txmq.index"):
         lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"lost{i}"})) for i in range(3)]
         for _ in range(3):          # each query a turn of the index thread: a resume tried, and failing
             assert (await svc.query("T", "lost2", 64, 0, 2**62))[0] == []
     assert svc.stopped
-    assert sum("indexing stops here" in r.getMessage() for r in caplog.records) == 1    # not once per attempt
-    assert "tried again every" in caplog.text, caplog.text
-    monkeypatch.setattr(IndexFile, "create", real)
+    stops = [r.getMessage() for r in caplog.records if "indexing stops here" in r.getMessage()]
+    assert len(stops) == 1 and said in stops[0], stops      # once, not once per attempt
+    monkeypatch.setattr(IndexFile, method, real)
+    await _found_after_the_resume(svc, store, lost)
+
+
+async def _found_after_the_resume(svc, store, lost):
+    """Once the fault is gone: the keys of ``lost`` (lost0, lost1, ...) and of a record stored now are found, the
+    index no longer stopped, nothing indexed twice; the service and the store closed."""
     after = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"}))     # wakes the index thread
     for _ in range(10):             # the resume's catch-up is queued behind a query already waiting
         if (await svc.query("T", "after", 64, 0, 2**62))[0]:
@@ -676,10 +655,12 @@ async def test_the_index_thread_keeps_a_bounded_number_of_segments_open(tmp_path
     await store.close()
 
 
-async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_far(tmp_path, monkeypatch):
+async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_far(tmp_path, monkeypatch, caplog):
     # Months of history took the catch-up 17 s, and a query queued behind all of it (past a client's 3 s
     # timeout). Like RocketMQ's queryOffset while the reput catches up, it is answered from what is indexed,
-    # with the offset the index reaches (indexLastUpdatePhyoffset) saying how far that is.
+    # with the offset the index reaches (indexLastUpdatePhyoffset) saying how far that is. Nothing else said the
+    # answer was partial (a key stored past it was QUERY_NOT_FOUND "can not find message"): it now carries the
+    # offset from which it did not search (``behind``, the remark's), and the catch-up's end is said.
     monkeypatch.setattr(index_mod, "CATCH_UP_SLICE", 2048)
     store = await _store_with(tmp_path, 300, seg=4096)
     end = store.max_physical_offset
@@ -689,11 +670,13 @@ async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_f
         queued.wait(10)
         return scan(self, *args)
     monkeypatch.setattr(IndexService, "_scan", after_the_query_is_queued)
+    caplog.set_level(logging.INFO, "txmq.index")
     svc = await _service(tmp_path, store)
     first = svc.query("T", "k0", 64, 0, 2**62)
     queued.set()
-    found, _, last_phy, _, _ = await asyncio.wait_for(first, 10)
+    found, _, last_phy, _, behind = await asyncio.wait_for(first, 10)
     assert last_phy < end // 4 and len(found) == 1      # answered a slice into the catch-up
+    assert behind is not None and last_phy < behind < end // 4, behind
     late = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))   # dispatched meanwhile
     for _ in range(end // 2048 + 2):                   # each query waits for at most one slice
         if last_phy >= late.physical_offset:            # the late record is indexed after the catch-up
@@ -702,40 +685,11 @@ async def test_a_query_during_the_catch_up_is_answered_from_what_is_indexed_so_f
     assert last_phy >= late.physical_offset
     assert len((await svc.query("T", "k299", 64, 0, 2**62))[0]) == 1
     assert len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 64
-    assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [late.physical_offset]
+    caught_up = await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10)
+    assert caught_up.found == [late.physical_offset] and caught_up.behind is None, caught_up
     await svc.close()
     await store.close()
-
-
-async def test_a_query_during_the_catch_up_says_from_which_offset_it_did_not_search(tmp_path, monkeypatch, caplog):
-    """A start after the index was lost (index/ removed, files found damaged, a long stop) catches up with the log in
-    slices, and a query meanwhile is answered from what is indexed so far: a key stored past that was answered
-    QUERY_NOT_FOUND "can not find message", nothing in the answer saying the search was partial. The answer now
-    carries the commit-log offset from which it did not search, taken with it on the index thread."""
-    monkeypatch.setattr(index_mod, "CATCH_UP_SLICE", 2048)
-    store = await _store_with(tmp_path, 300, seg=4096)
-    end = store.max_physical_offset
-    queued, scan = threading.Event(), IndexService._scan
-
-    def after_the_query_is_queued(self, *args):
-        queued.wait(10)
-        return scan(self, *args)
-    monkeypatch.setattr(IndexService, "_scan", after_the_query_is_queued)
-    with caplog.at_level(logging.INFO, logger="txmq.index"):
-        svc = await _service(tmp_path, store)
-        first = svc.query("T", "k299", 64, 0, 2**62)
-        queued.set()
-        early = await asyncio.wait_for(first, 10)
-        assert early.found == [] and early.behind is not None and 0 < early.behind < end, early
-        for _ in range(end // 2048 + 2):                   # each query waits for at most one slice
-            late = await asyncio.wait_for(svc.query("T", "k299", 64, 0, 2**62), 10)
-            if late.found:
-                break
-        assert len(late.found) == 1 and late.behind is None, late
-        await svc.close()
-    said = [r.getMessage() for r in caplog.records]
-    assert sum("caught up with the commit log" in m for m in said) == 1, said
-    await store.close()
+    assert sum("caught up with the commit log (" in r.getMessage() for r in caplog.records) == 1, caplog.text
 
 
 async def test_a_stop_during_the_catch_up_ends_it_and_the_next_start_finishes_it(tmp_path, monkeypatch):
