@@ -409,6 +409,31 @@ async def _found_after_the_resume(svc, store, lost):
 
 
 @bounded(20)
+async def test_an_index_file_not_opened_for_lack_of_descriptors_is_not_taken_for_damaged(tmp_path, monkeypatch):
+    """An index file a start (or a resume) could not open because the process was out of descriptors (EMFILE) was
+    taken for damaged: removed with every newer file, ERROR "is damaged", all of it rebuilt from the log. The error
+    is raised now (a start fails saying the open-files limit; a resume is tried again), the files kept."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    names = sorted(os.listdir(tmp_path / "index"))
+    real = IndexFile.open
+
+    def no_descriptor(*args, **kw):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(IndexFile, "open", no_descriptor)
+    with pytest.raises(OSError, match="Too many open files"):
+        await _service(tmp_path, store)
+    assert sorted(os.listdir(tmp_path / "index")) == names
+    monkeypatch.setattr(IndexFile, "open", real)
+    svc = await _service(tmp_path, store)
+    assert svc.rebuilt == [] and len((await svc.query("T", "shared", 64, 0, 2**62))[0]) == 3
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
 async def test_an_index_directory_removed_while_the_broker_runs_is_rebuilt(tmp_path, monkeypatch):
     """index/ removed under a running broker (an operator's cleanup): the entries went on into the unlinked file
     until its progress save (index/progress.tmp) failed ENOENT, which stopped indexing until the next restart --
