@@ -285,8 +285,11 @@ class IndexService:
         return 0.0 if began is None else max(0.0, time.monotonic() - began)
 
     def expire(self, min_offset: int) -> asyncio.Future:
-        """Remove the files every entry of which points below ``min_offset`` (never the last one)."""
-        return self._submit(self._expire, min_offset)
+        """Remove the files every entry of which points below ``min_offset`` (never the last one). An error is
+        said here: the store's removal listener drops the future (it said nothing, the file left on disk)."""
+        fut = self._submit(self._expire, min_offset)
+        fut.add_done_callback(lambda done: _said_expire_error(done, min_offset, self.directory))
+        return fut
 
     def stats(self) -> dict:
         files = list(self.files)
@@ -303,7 +306,11 @@ class IndexService:
                 self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
             except (IndexCorrupt, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno in _NOT_DAMAGE:
-                    raise       # the process's, not the file's: removed and rebuilt for it, the index lost for nothing
+                    # The process's, not the file's: removed and rebuilt for it, the index lost for nothing. A
+                    # resume's queries search the files opened so far: said searched to where they end, not past.
+                    ends = [f.end_phy for f in self.files if f.count > 1]
+                    self.covered = max(log_min, min(ends[-1], log_end)) if ends else log_min
+                    raise
                 self._drop_damaged(names[i:], str(exc))
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
@@ -387,9 +394,13 @@ class IndexService:
 
     def _guarded(self, fn, *args) -> None:
         self._job_began = time.monotonic()      # (stalled_s)
+        covered = self.covered
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
+            # ``covered`` passes each record before its entries are written: left past a batch whose write failed,
+            # a query's remark ("not searched from offset N") and txmq_index_behind_bytes left out the records lost.
+            self.covered = min(self.covered, covered)
             # Any OSError, not only a full disk's: one that passes (out of descriptors, a mapping refused at
             # vm.max_map_count, an I/O error, index/ removed) stopped indexing until the next restart, every later
             # message missing from queries by key for as long as the broker ran. A resume reads the files back as a
@@ -803,6 +814,15 @@ class QueryResult(NamedTuple):
     # The commit-log offset from which records were not searched, taken on the index thread with the answer: the
     # index catching up (a start, a resume after a full disk, a backlog) or stopped; None when it searched them all.
     behind: int | None = None
+
+
+def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> None:
+    if fut.cancelled() or fut.exception() is None or isinstance(fut.exception(), StoreError):   # (closed: a stop)
+        return
+    log.error("index files whose entries all point below commit-log offset %d (the oldest of %s) not removed: %s; "
+              "they take disk space until a later start loads them and removes them at a segment removal: fix the "
+              "error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
+              fut.exception())
 
 
 def _file_name(ms: int) -> str:

@@ -566,6 +566,89 @@ async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again
 
 
 @bounded(20)
+async def test_a_stopped_index_says_the_offset_of_the_first_record_it_did_not_write(tmp_path, monkeypatch):
+    """``covered`` went past each record of a batch before its entries were written: a batch whose write failed
+    stopped indexing with ``covered`` past it, so a query's ``behind`` (the remark's "messages stored from
+    commit-log offset N on are not searched") and txmq_index_behind_bytes left out the very records lost."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    answer = await svc.query("T", "lost", 64, 0, 2**62)
+    assert svc.stopped and answer.found == []
+    assert answer.behind == lost.physical_offset and svc.covered == lost.physical_offset, (answer, lost)
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_resume_that_could_not_open_every_file_says_it_did_not_search_past_those_it_did(tmp_path, monkeypatch):
+    """A resume that met EMFILE opening the index's files (raised, not taken for damaged) kept the first ones only,
+    yet ``covered`` still said the whole log before it was searched: a key in a file not opened was QUERY_NOT_FOUND
+    with a remark naming an offset past it."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=4)       # (a new file every 3 entries)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    assert len(svc.files) > 2
+    k2_at = (await svc.query("T", "k2", 64, 0, 2**62)).found[0]     # (in the third file)
+    real_put, real_open = IndexFile.put_many, IndexFile.open
+    opened = []
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def second_refused(*args, **kw):
+        if opened:
+            raise OSError(errno.EMFILE, "Too many open files")
+        opened.append(args)
+        return real_open(*args, **kw)
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    await svc.query("T", "x", 1, 0, 1)          # (a resume before it, its catch-up queued: failing after it)
+    monkeypatch.setattr(IndexFile, "open", second_refused)
+    answer = await svc.query("T", "k2", 64, 0, 2**62)       # (a resume before it: one file opened of them all)
+    assert opened and svc.stopped and len(svc.files) == 1
+    assert answer.found == [] and answer.behind is not None and answer.behind <= k2_at, (answer, k2_at)
+    monkeypatch.setattr(IndexFile, "open", real_open)
+    monkeypatch.setattr(IndexFile, "put_many", real_put)
+    for _ in range(10):
+        if not svc.stopped:
+            break
+        await svc.query("T", "x", 1, 0, 1)
+    assert len((await svc.query("T", "k2", 64, 0, 2**62)).found) == 1
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_index_files_expire_could_not_remove_are_said(tmp_path, monkeypatch, caplog):
+    """The store's removal listener drops the future ``expire`` returns: an index file whose removal failed (EACCES,
+    EIO, a read-only remount) was left on disk, out of the index's list, with nothing said but asyncio's "Future
+    exception was never retrieved" at some later collection, if ever."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=4)       # (a new file every 3 entries: more than one file)
+    await svc.query("T", "x", 1, 0, 1)
+    assert len(svc.files) > 1
+
+    def refused(self):
+        raise OSError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(IndexFile, "remove", refused)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        with pytest.raises(OSError):
+            await svc.expire(store.max_physical_offset)
+        await svc.query("T", "x", 1, 0, 1)      # (the done callback has run)
+    said = [r.getMessage() for r in caplog.records if r.name == "txmq.index" and r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "not removed" in said[0] and "Permission denied" in said[0], said
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
 async def test_another_error_while_resuming_from_a_full_disk_is_said(tmp_path, monkeypatch, caplog):
     """The failure run is said once; a resume that then met another error (EIO) said nothing, and the log still
     promised a resume "once the disk has room". It is said, and tried again too (any OSError is)."""
