@@ -176,6 +176,7 @@ class IndexService:
         self.back_roll_every_s = BACK_ROLL_EVERY_S
         self._back_rolled: float | None = None  # time.monotonic() a record older than its file started one
         self._back_said = -_CUT_LOG_EVERY_S
+        self._removed_under = False     # a progress save found index files removed (unlinked) under it: _resume
         self._catch_up_from: tuple[int, float] | None = None   # (offset, time.monotonic()) the start's catch-up began
 
     # ------------------------------------------------------------ lifecycle
@@ -322,7 +323,9 @@ class IndexService:
         if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
-        if not self.rebuilt:
+        # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
+        # with no entries behind it would skip the whole log before it.)
+        if not self.rebuilt and names:
             start = max(start, min(self._read_progress(), log_end))
         self.covered = start
         behind = log_end - start
@@ -431,6 +434,15 @@ class IndexService:
             f.close()
         self.files = []
         self._skip, self._skip_hashes = -1, set()
+        if self._removed_under:
+            # Files removed under the running broker: the ones made since begin past what they held. Started from
+            # the newest's end, the resume indexed none of the records before it again.
+            for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else []):
+                if _NAME.match(name) or name.startswith(PROGRESS_FILE):
+                    os.unlink(os.path.join(self.directory, name))
+            self._removed_under = False
+            log.warning("index: rebuilding the message index from the commit log (offset %d): its files were removed "
+                        "under the running broker", self._log_min)
         self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
         self.failed = None
         self._catching_up = True
@@ -454,6 +466,15 @@ class IndexService:
         value = self.covered
         if value == self._saved or self.failed is not None:
             return
+        # ``rm index/*`` under a running broker (the directory kept): the entries went on into the unlinked files
+        # and this save said them indexed, no error; the next start took the progress and rebuilt nothing before
+        # it. An OSError: indexing stops and the resume rebuilds the index from the log. (An fstat a file each
+        # save: a file per day or per 20M entries.)
+        gone = [f.name for f in self.files if os.fstat(f.fd).st_nlink == 0]
+        if gone:
+            self._removed_under = True      # the resume rebuilds all of it: the files left start past a gap
+            raise OSError(errno.ENOENT, f"{len(gone)} index file(s) ({gone[0]} ...) removed from {self.directory} "
+                                        "under the running broker")
         if self.files:
             self.files[-1].sync()       # entries before the progress that says they exist
         raw = struct.pack(">q", value)

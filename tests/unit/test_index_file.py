@@ -456,6 +456,51 @@ async def test_an_index_directory_removed_while_the_broker_runs_is_rebuilt(tmp_p
     await store.close()
 
 
+@bounded(20)
+async def test_the_index_files_removed_but_not_their_directory_are_rebuilt(tmp_path, monkeypatch):
+    """``rm index/*`` under a running broker (the directory kept): the entries went on into the unlinked files and
+    the next progress save wrote a new progress file that said them indexed, no error; the next start found no file
+    and that progress and started from it -- every key stored before it missing from queries by key for good."""
+    monkeypatch.setattr(index_mod, "PROGRESS_EVERY_S", 0)     # a progress save at each turn of the thread
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    for name in os.listdir(tmp_path / "index"):
+        os.unlink(tmp_path / "index" / name)
+    after = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "after"}))
+    for _ in range(10):             # turns of the index thread: a save, a resume, its catch-up
+        await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    for _ in range(10):             # the start's catch-up
+        if not svc.partial:
+            break
+        await svc.query("T", "x", 1, 0, 1)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 3
+    assert (await svc.query("T", "after", 64, 0, 2**62)).found == [after.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_index_files_removed_while_stopped_with_the_progress_left_are_rebuilt(tmp_path):
+    """The index files removed while the broker was stopped, ``progress`` left (``rm index/2*``): the start found no
+    file, took the progress, and indexed nothing before it -- every key stored until then not found, for good."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    for name in os.listdir(tmp_path / "index"):
+        if name.isdigit():
+            os.unlink(tmp_path / "index" / name)
+    assert os.listdir(tmp_path / "index") == [index_mod.PROGRESS_FILE]
+    svc = await _service(tmp_path, store)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 3
+    await svc.close()
+    await store.close()
+
+
 class _Said(logging.Handler):
     """An asyncio event set (from any thread) when a record saying ``words`` is logged."""
 
