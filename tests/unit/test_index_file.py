@@ -583,19 +583,26 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
     await store.close()
 
 
+def _no_space(self, items):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def _stopped_by_a_full_disk(tmp_path, monkeypatch, **kw):
+    """A service over 3 records, put_many failing ENOSPC from now on, and the put result of a record of key "lost"
+    (its indexing fails: stopped)."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, **kw)
+    await svc.query("T", "x", 1, 0, 1)
+    monkeypatch.setattr(IndexFile, "put_many", _no_space)
+    return store, svc, await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+
+
 @bounded(20)
 async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again(tmp_path, monkeypatch):
     """close() runs the thread's last job, then stops the thread: a resume due in between (the clock wakes the
     thread now) read the files back after they were closed -- descriptors no one closes -- and wrote the progress
     file after the store had stopped."""
-    store = await _store_with(tmp_path, 3)
-    svc = await _service(tmp_path, store)
-    await svc.query("T", "x", 1, 0, 1)
-
-    def no_space(self, items):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(IndexFile, "put_many", no_space)
-    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    store, svc, _ = await _stopped_by_a_full_disk(tmp_path, monkeypatch)
     await svc.query("T", "lost", 64, 0, 2**62)
     assert svc.failed is not None
     monkeypatch.undo()
@@ -615,14 +622,7 @@ async def test_a_stopped_index_says_the_offset_of_the_first_record_it_did_not_wr
     """``covered`` went past each record of a batch before its entries were written: a batch whose write failed
     stopped indexing with ``covered`` past it, so a query's ``behind`` (the remark's "messages stored from
     commit-log offset N on are not searched") and txmq_index_behind_bytes left out the very records lost."""
-    store = await _store_with(tmp_path, 3)
-    svc = await _service(tmp_path, store)
-    await svc.query("T", "x", 1, 0, 1)
-
-    def no_space(self, items):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(IndexFile, "put_many", no_space)
-    lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    store, svc, lost = await _stopped_by_a_full_disk(tmp_path, monkeypatch)
     answer = await svc.query("T", "lost", 64, 0, 2**62)
     assert svc.stopped and answer.found == []
     assert answer.behind == lost.physical_offset and svc.covered == lost.physical_offset, (answer, lost)
@@ -644,15 +644,12 @@ async def test_a_resume_that_could_not_open_every_file_says_it_did_not_search_pa
     real_put, real_open = IndexFile.put_many, IndexFile.open
     opened = []
 
-    def no_space(self, items):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     def second_refused(*args, **kw):
         if opened:
             raise OSError(errno.EMFILE, "Too many open files")
         opened.append(args)
         return real_open(*args, **kw)
-    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    monkeypatch.setattr(IndexFile, "put_many", _no_space)
     await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
     await svc.query("T", "x", 1, 0, 1)          # (a resume before it, its catch-up queued: failing after it)
     monkeypatch.setattr(IndexFile, "open", second_refused)
