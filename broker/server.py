@@ -498,8 +498,8 @@ class BrokerServer:
                               "past 10 s) and the indexing (absent with the index off).", [], snap("index_stalled"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
-                              "log (by itself once a full disk has room; after another error, at the next "
-                              "start).", [], snap("index_failed"))
+                              "log (by itself once a file-system error passes: a full disk, out of descriptors, "
+                              "an I/O error, its files removed; after another error, at the next start).", [], snap("index_failed"))
         m.add_gauge_collector("txmq_index_behind_bytes", "Bytes of the commit log past what the message index has "
                               "indexed: large while it catches up (a start after the index was lost, rebuilt or "
                               "stopped long) or while it is stopped (txmq_index_failed); QUERY_MESSAGE does not search "
