@@ -468,9 +468,9 @@ class IndexService:
             return
         # ``rm index/*`` under a running broker (the directory kept): the entries went on into the unlinked files
         # and this save said them indexed, no error; the next start took the progress and rebuilt nothing before
-        # it. An OSError: indexing stops and the resume rebuilds the index from the log. (An fstat a file each
-        # save: a file per day or per 20M entries.)
-        gone = [f.name for f in self.files if os.fstat(f.fd).st_nlink == 0]
+        # it. An OSError: indexing stops and the resume rebuilds the index from the log. (A stat a file each save:
+        # a file per day or per 20M entries. By path, not st_nlink, which some file systems do not keep.)
+        gone = [f.name for f in self.files if not os.path.exists(f.path)]
         if gone:
             self._removed_under = True      # the resume rebuilds all of it: the files left start past a gap
             raise OSError(errno.ENOENT, f"{len(gone)} index file(s) ({gone[0]} ...) removed from {self.directory} "
