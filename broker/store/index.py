@@ -163,7 +163,7 @@ class IndexService:
         # query by key missed every message stored after the disk was full, until the broker restarted.
         self.resume_every_s = PROGRESS_EVERY_S
         self._resumable = False         # the failure was an OSError's: tried again (_resume)
-        self._failed_kind: object = None    # its errno (or exception type): another one is said
+        self._said_kinds: set = set()   # the errnos (or exception types) said in this failure run: another is said
         self._failed_at = 0.0
         self._failing = False           # in a failure run (said once): until a resume has caught up
         self._log_min = 0               # the log's first offset (open, expire) ...
@@ -411,8 +411,12 @@ class IndexService:
             resumable = isinstance(exc, OSError)
             kind = exc.errno if resumable else type(exc)
             # Once a failure run; again when a resume meets another kind of error (one not retried, another errno):
-            # said nothing, the log still promised a resume once there was room.
-            if (self.failed is None and not self._failing) or kind != self._failed_kind:
+            # said nothing, the log still promised a resume once there was room. Each kind once a run: two in turn
+            # (ENOSPC, EIO) said an ERROR with its traceback at every attempt, 8,640 a day.
+            if self.failed is None and not self._failing:
+                self._said_kinds = set()
+            if kind not in self._said_kinds:
+                self._said_kinds.add(kind)
                 log.exception("index thread: %s; indexing stops here and resumes from the commit log %s (queries "
                               "go on answering from what is indexed)", exc,
                               "once the disk has room" if resumable and exc.errno in _NO_ROOM else
@@ -420,7 +424,6 @@ class IndexService:
                               if resumable else "at the next start")
             self.failed = str(exc)
             self._failing, self._resumable, self._failed_at = True, resumable, time.monotonic()
-            self._failed_kind = kind
         finally:
             self._job_began = None
 

@@ -583,6 +583,31 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
     await store.close()
 
 
+@bounded(20)
+async def test_two_errors_in_turn_while_resuming_are_each_said_once(tmp_path, monkeypatch, caplog):
+    """Each resume that met another errno than the one before was said again, traceback and all: a disk failing
+    ENOSPC and EIO in turn logged an ERROR at every attempt (40 in 40 attempts; 8,640 a day at 10 s). Each kind is
+    said once a failure run."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    calls = []
+
+    def in_turn(self, items):
+        calls.append(items)
+        raise OSError((errno.ENOSPC, errno.EIO)[len(calls) % 2], "write failed")
+    monkeypatch.setattr(IndexFile, "put_many", in_turn)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(12):         # each a turn of the index thread: a resume, its catch-up failing
+            await svc.query("T", "lost", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records if "indexing stops here" in r.getMessage()]
+    assert len(calls) >= 6 and len(said) == 2, (len(calls), said)
+    await svc.close()
+    await store.close()
+
+
 def _no_space(self, items):
     raise OSError(errno.ENOSPC, "No space left on device")
 
