@@ -498,8 +498,12 @@ class BrokerServer:
                               "past 10 s) and the indexing (absent with the index off).", [], snap("index_stalled"))
         m.add_gauge_collector("txmq_index_failed", "1 when the message index stopped after a write error: "
                               "QUERY_MESSAGE misses messages stored since, until it catches up from the commit "
-                              "log (by itself once a full disk has room; after another error, at the next "
-                              "start).", [], snap("index_failed"))
+                              "log (by itself once a file-system error passes: a full disk, out of descriptors, "
+                              "an I/O error, its files removed; after another error, at the next start).", [], snap("index_failed"))
+        m.add_gauge_collector("txmq_index_behind_bytes", "Bytes of the commit log past what the message index has "
+                              "indexed: large while it catches up (a start after the index was lost, rebuilt or "
+                              "stopped long) or while it is stopped (txmq_index_failed); QUERY_MESSAGE does not search "
+                              "them (its remark says so) (absent with the index off).", [], snap("index_behind"))
         m.add_counter_collector("txmq_index_queries_cut", "Queries by key (QUERY_MESSAGE) that stopped after "
                                 "reading 4,096 records of the key's hash or 16,384 index entries, more left: keys "
                                 "sharing its String.hashCode or index slot (made on purpose, or the key's own outside "
@@ -597,6 +601,8 @@ class BrokerServer:
             [((g,), max(0.0, (mono_ms - at) / 1000)) for g, at in ctx.tx.oldest_by_group().items()],
             "index_failed": [((), 1 if ctx.index is not None and ctx.index.stopped else 0)],
             "index_cut": [((), ctx.index.queries_cut)] if ctx.index is not None else [],
+            "index_behind": [((), max(0, ctx.store.max_physical_offset - ctx.index.covered))]
+            if ctx.index is not None else [],
             "decisions_waiting": [((), ctx.tx.table.waiting if ctx.tx.table is not None else 0)],
             **_ha_gauges(ctx.ha),
             "ha_sync_age": [] if self.slave_sync is None else [((), self.slave_sync.copy_age_s())],

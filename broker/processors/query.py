@@ -9,8 +9,9 @@ message and [beginTimestamp, endTimestamp] is kept to the millisecond, both ends
 most MAX_QUERY_CHECKS (4,096) records of its key's hash and MAX_QUERY_READS (16,384) index entries of any hash:
 past that (other keys with the same hashCode or index slot, or the key's own outside the range), the answer is
 what was found, and its remark says the search stopped. While indexing is stopped (txmq_index_failed: a full
-disk, or a slot table the disk has no room for) the remark says from which commit-log offset messages are not
-searched, whatever the code. A query the index's thread has not answered once it is seen held
+disk, or a slot table the disk has no room for) or still catching up with the commit log (after a start that lost
+or rebuilt the index, or a long stop) the remark says from which commit-log offset messages are not searched,
+whatever the code. A query the index's thread has not answered once it is seen held
 (txmq_index_stalled_seconds past 10 s: a write there hangs) is answered SYSTEM_ERROR, saying so.
 """
 from __future__ import annotations
@@ -35,17 +36,22 @@ async def query_message(ctx, conn, cmd):
         return cmd.response(ResponseCode.SYSTEM_ERROR, "the message index is off on this broker "
                             "(message_index_enable=false)")
     try:
-        found, last_ts, last_phy, cut = await ctx.index.query(topic, key, max_num, begin, end)
+        found, last_ts, last_phy, cut, unsearched = await ctx.index.query(topic, key, max_num, begin, end)
     except StoreError as exc:       # its thread held by a write that hangs (said by the gauge loop), or it stopped
         return cmd.response(ResponseCode.SYSTEM_ERROR, str(exc))
     header = {"indexLastUpdateTimestamp": last_ts, "indexLastUpdatePhyoffset": last_phy}
     stopped = (f"the search stopped after {ctx.index.max_checks} records of the key's hash or {ctx.index.max_reads} "
                "index entries (other keys share its hashCode or its index slot): older matches are not answered; "
                "narrow beginTimestamp/endTimestamp") if cut else None
-    # Indexing stopped (a full disk, a slot table refused near disk_force_clean_ratio): the answer is from what was
-    # indexed before; unsaid, a stored key was answered "can not find message" and `admin query-key` "0 message(s)".
-    behind = (f"indexing is stopped (txmq_index_failed; see the broker's log): messages stored from commit-log "
-              f"offset {ctx.index.covered} on are not searched until it catches up") if ctx.index.stopped else None
+    # Indexing stopped (a full disk, a slot table refused near disk_force_clean_ratio) or still catching up with the
+    # commit log (a start after the index was lost or rebuilt, a long stop): the answer is from what was indexed so
+    # far; unsaid, a stored key was answered "can not find message" and `admin query-key` "0 message(s)".
+    behind = None
+    if unsearched is not None:
+        behind = (f"indexing is stopped (txmq_index_failed; see the broker's log): messages stored from commit-log "
+                  f"offset {unsearched} on are not searched until it catches up" if ctx.index.stopped else
+                  f"the message index is catching up with the commit log (txmq_index_behind_bytes): messages "
+                  f"stored from commit-log offset {unsearched} on are not searched yet; ask again")
     views, corrupt = [], 0
     for phy in sorted(found):
         try:

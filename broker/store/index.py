@@ -24,7 +24,8 @@ every 10 s after an fsync of the files) and the newest entry's record, neither p
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
 message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
-from the commit log. A write error stops indexing (``failed``); a full disk's (ENOSPC, EDQUOT) is
+from the commit log. A write error stops indexing (``failed``); an OSError (a full disk's, ENOSPC or
+EDQUOT, or any other: out of descriptors, a mapping refused, an I/O error that passed) is
 tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
 error cut short undone) and the log is caught up from where they end, without a restart.
 """
@@ -84,7 +85,7 @@ _CUT_LOG_EVERY_S = 60.0
 BACK_ROLL_EVERY_S = 600.0
 _ROLLBACK = 0xC
 _CHUNK = 1 << 20
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room: indexing resumes
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the disk has room (said so)
 # Errors opening a file that say nothing of the file (a file system turned read-only, no descriptors, no memory):
 # not damage. Taken for it, a resume on an ext4 remounted read-only said every file "damaged: removing it".
 _NOT_THE_FILE = (errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -160,10 +161,11 @@ class IndexService:
         self._stopping = False          # close() queued the thread's last job: later jobs would never run
         self._saved = -1
         self.failed: str | None = None
-        # After a full disk stopped indexing: tried again every resume_every_s (see _resume). Without it a
+        # After a write error (a full disk's, an OSError) stopped indexing: tried again every resume_every_s (see _resume). Without it a
         # query by key missed every message stored after the disk was full, until the broker restarted.
         self.resume_every_s = PROGRESS_EVERY_S
-        self._resumable = False         # the failure was a full disk's
+        self._resumable = False         # the failure was an OSError's: tried again (_resume)
+        self._said_kinds: set = set()   # the errnos (or exception types) said in this failure run: another is said
         self._failed_at = 0.0
         self._failing = False           # in a failure run (said once): until a resume has caught up
         self._log_min = 0               # the log's first offset (open, expire) ...
@@ -176,6 +178,8 @@ class IndexService:
         self.back_roll_every_s = BACK_ROLL_EVERY_S
         self._back_rolled: float | None = None  # time.monotonic() a record older than its file started one
         self._back_said = -_CUT_LOG_EVERY_S
+        self._removed_under = False     # a progress save found index files removed (unlinked) under it: _resume
+        self._catch_up_from: tuple[int, float] | None = None   # (offset, time.monotonic()) the start's catch-up began
 
     # ------------------------------------------------------------ lifecycle
     def on_dispatch(self, info) -> None:
@@ -194,6 +198,7 @@ class IndexService:
         self._loop = asyncio.get_running_loop()
         self._log_min, self._seen_end = log_min, log_end
         await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        self._catch_up_from = (self.covered, time.monotonic())     # (said once the start's catch-up is through)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
         self._catching_up = True
         self._thread.start()
@@ -283,8 +288,11 @@ class IndexService:
         return 0.0 if began is None else max(0.0, time.monotonic() - began)
 
     def expire(self, min_offset: int) -> asyncio.Future:
-        """Remove the files every entry of which points below ``min_offset`` (never the last one)."""
-        return self._submit(self._expire, min_offset)
+        """Remove the files every entry of which points below ``min_offset`` (never the last one). An error is
+        said here: the store's removal listener drops the future (it said nothing, the file left on disk)."""
+        fut = self._submit(self._expire, min_offset)
+        fut.add_done_callback(lambda done: _said_expire_error(done, min_offset, self.directory))
+        return fut
 
     def stats(self) -> dict:
         files = list(self.files)
@@ -301,7 +309,12 @@ class IndexService:
                 self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
             except (IndexCorrupt, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno in _NOT_THE_FILE:
-                    raise               # the index thread's ERROR, once; at start-up the broker's (nothing removed)
+                    # The process's or the file system's, not the file's: removed and rebuilt for it, the index
+                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume's
+                    # queries search the files opened so far: said searched to where they end, not past.
+                    ends = [f.end_phy for f in self.files if f.count > 1]
+                    self.covered = max(log_min, min(ends[-1], log_end)) if ends else log_min
+                    raise
                 self._drop_damaged(names[i:], str(exc))
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
@@ -313,7 +326,9 @@ class IndexService:
         if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
-        if not self.rebuilt:
+        # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
+        # with no entries behind it would skip the whole log before it.)
+        if not self.rebuilt and names:
             start = max(start, min(self._read_progress(), log_end))
         self.covered = start
         behind = log_end - start
@@ -385,23 +400,38 @@ class IndexService:
 
     def _guarded(self, fn, *args) -> None:
         self._job_began = time.monotonic()      # (stalled_s)
+        covered = self.covered
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the index is derived: log, keep serving queries
-            resumable = isinstance(exc, OSError) and exc.errno in _NO_ROOM
-            # Once a failure run; again when a resume meets an error that is not retried: said nothing, the
-            # index stayed stopped until a restart while the log still promised a resume once there was room.
-            if (self.failed is None and not self._failing) or (self._resumable and not resumable):
+            # ``covered`` passes each record before its entries are written: left past a batch whose write failed,
+            # a query's remark ("not searched from offset N") and txmq_index_behind_bytes left out the records lost.
+            self.covered = min(self.covered, covered)
+            # Any OSError, not only a full disk's: one that passes (out of descriptors, a mapping refused at
+            # vm.max_map_count, an I/O error, index/ removed) stopped indexing until the next restart, every later
+            # message missing from queries by key for as long as the broker ran. A resume reads the files back as a
+            # start does; one that fails again is quiet.
+            resumable = isinstance(exc, OSError)
+            kind = exc.errno if resumable else type(exc)
+            # Once a failure run; again when a resume meets another kind of error (one not retried, another errno):
+            # said nothing, the log still promised a resume once there was room. Each kind once a run: two in turn
+            # (ENOSPC, EIO) said an ERROR with its traceback at every attempt, 8,640 a day.
+            if self.failed is None and not self._failing:
+                self._said_kinds = set()
+            if kind not in self._said_kinds:
+                self._said_kinds.add(kind)
                 log.exception("index thread: %s; indexing stops here and resumes from the commit log %s (queries "
                               "go on answering from what is indexed)", exc,
-                              "once the disk has room" if resumable else "at the next start")
+                              "once the disk has room" if resumable and exc.errno in _NO_ROOM else
+                              f"by itself once the error passes (tried again every {self.resume_every_s:.0f} s)"
+                              if resumable else "at the next start")
             self.failed = str(exc)
             self._failing, self._resumable, self._failed_at = True, resumable, time.monotonic()
         finally:
             self._job_began = None
 
     def _resume(self) -> None:
-        """(Index thread) after a full disk stopped indexing: the files read back as a start-up reads them (the
+        """(Index thread) after a write error (a full disk's, an OSError) stopped indexing: the files read back as a start-up reads them (the
         entries of a batch the error cut short undone; the newest record's missing keys found again) and the log
         caught up from where they end to the last record dispatched, in slices, as at start-up. Failing again
         (the disk still full), it is tried again an interval later, without another word."""
@@ -410,6 +440,15 @@ class IndexService:
             f.close()
         self.files = []
         self._skip, self._skip_hashes = -1, set()
+        if self._removed_under:
+            # Files removed under the running broker: the ones made since begin past what they held. Started from
+            # the newest's end, the resume indexed none of the records before it again.
+            for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else []):
+                if _NAME.match(name) or name.startswith(PROGRESS_FILE):
+                    os.unlink(os.path.join(self.directory, name))
+            self._removed_under = False
+            log.warning("index: rebuilding the message index from the commit log (offset %d): its files were removed "
+                        "under the running broker", self._log_min)
         self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
         self.failed = None
         self._catching_up = True
@@ -433,6 +472,15 @@ class IndexService:
         value = self.covered
         if value == self._saved or self.failed is not None:
             return
+        # ``rm index/*`` under a running broker (the directory kept): the entries went on into the unlinked files
+        # and this save said them indexed, no error; the next start took the progress and rebuilt nothing before
+        # it. An OSError: indexing stops and the resume rebuilds the index from the log. (A stat a file each save:
+        # a file per day or per 20M entries. By path, not st_nlink, which some file systems do not keep.)
+        gone = [f.name for f in self.files if not os.path.exists(f.path)]
+        if gone:
+            self._removed_under = True      # the resume rebuilds all of it: the files left start past a gap
+            raise OSError(errno.ENOENT, f"{len(gone)} index file(s) ({gone[0]} ...) removed from {self.directory} "
+                                        "under the running broker")
         if self.files:
             self.files[-1].sync()       # entries before the progress that says they exist
         raw = struct.pack(">q", value)
@@ -602,8 +650,14 @@ class IndexService:
                 # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.
                 self._save_progress()
                 self._failing = False
-                log.warning("index: caught up with the commit log again after a full disk (to offset %d)",
+                log.warning("index: caught up with the commit log again after a write error stopped it (to offset %d)",
                             self.covered)
+            elif done and self._catch_up_from is not None and not self._closed and self.failed is None:
+                start, began = self._catch_up_from
+                self._catch_up_from = None
+                if hi > start:      # queries by key were answered from a prefix until now (their remark said so)
+                    log.info("index: caught up with the commit log (%d bytes from offset %d in %.1f s): queries by "
+                             "key search every message again", hi - start, start, time.monotonic() - began)
         finally:
             if done:
                 self._catching_up = False
@@ -735,7 +789,8 @@ class IndexService:
         if cut:
             self._said_cut(topic, key, len(found))
         last = files[-1] if files else None
-        return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut)
+        return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut,
+                           self.covered if self.partial else None)
 
     def _said_cut(self, topic: str, key: str, found: int) -> None:
         self.queries_cut += 1
@@ -783,6 +838,18 @@ class QueryResult(NamedTuple):
     last_ts: int            # the last file's END TIMESTAMP
     last_phy: int           # its END PHYOFFSET
     cut: bool               # MAX_QUERY_CHECKS records of the hash read and more left: older matches may be missed
+    # The commit-log offset from which records were not searched, taken on the index thread with the answer: the
+    # index catching up (a start, a resume after a full disk, a backlog) or stopped; None when it searched them all.
+    behind: int | None = None
+
+
+def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> None:
+    if fut.cancelled() or fut.exception() is None or isinstance(fut.exception(), StoreError):   # (closed: a stop)
+        return
+    log.error("index files whose entries all point below commit-log offset %d (the oldest of %s) not removed: %s; "
+              "they take disk space until a later start loads them and removes them at a segment removal: fix the "
+              "error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
+              fut.exception())
 
 
 def _file_name(ms: int) -> str:

@@ -1372,12 +1372,13 @@ class TransactionService:
                 continue
             if dead is not None and (parse_dead_letter(dead) or (None,))[0] == half_offset:
                 return phy, dead
-        if index.partial:
+        if looked.behind is not None:
             # Answered from a prefix of the log (catching up at start-up, or stopped by a write error): its dead
-            # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid.
-            warn("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): "
-                        "%s", what, "stopped by a write error" if index.stopped else "is catching up", index.covered,
-                        lost)
+            # letter may lie past it. Silent, a resume just after a restart went to the group in turn unsaid. The
+            # answer's own offset, taken with it on the index thread: ``index.partial`` read once it came back
+            # missed a catch-up that ended meanwhile.
+            warn("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): %s",
+                 what, "stopped by a write error" if index.stopped else "is catching up", looked.behind, lost)
         elif looked.cut:
             # The lookup read max_checks records of the key's hash and stopped (other keys with the same
             # String.hashCode, which any client can send in any topic): unsaid, the checks went to the group in turn.

@@ -952,7 +952,7 @@ async def test_commits_naming_removed_halves_whose_lookup_could_not_see_it_all_a
         async def query(self, topic, key, max_num, begin, end):
             if how == "stalled":
                 raise StoreError("the message index's thread has not come through in 31 s")
-            return QueryResult([], 0, 0, how == "cut")
+            return QueryResult([], 0, 0, how == "cut", 0 if how == "catching-up" else None)
     ctx.index = Index()
     tx._half_removed = lambda offset: 0 <= offset < 1 << 40     # retention removed everything below
     try:
@@ -1211,3 +1211,28 @@ async def test_a_check_of_a_half_with_no_room_for_its_count_goes_without_it(own)
     assert decode_record(_with_check_count(full, 12))[0].properties == props      # (12: longer than any own)
     roomy = MessageExt("T", b"body", properties={"k": "v"}, store_host=("127.0.0.1", 10911))
     assert decode_record(_with_check_count(roomy, 3))[0].properties == {"k": "v", Prop.TRANSACTION_CHECK_TIMES: "3"}
+
+
+class _IndexCaughtUpSince:
+    """A message index whose answer was from a prefix of the log (``behind``) and that caught up before the
+    awaiting coroutine ran again."""
+    partial = stopped = False
+    covered, max_checks = 1 << 20, 4096
+
+    async def query(self, topic, key, max_num, begin, end):
+        return QueryResult([], 0, 0, False, 4096)
+
+
+@bounded(10)
+async def test_a_dead_letter_lookup_answered_from_a_prefix_of_the_log_says_so(caplog):
+    """The resume's dead-letter lookup read ``index.partial`` after its answer came back, not the answer's own
+    ``behind``: an answer from a prefix of the log (a start's catch-up) whose catch-up ended before the coroutine
+    ran again was taken as searched in full, the checks sent to the group's producers in turn unsaid."""
+    from types import SimpleNamespace
+    half = SimpleNamespace(properties={Prop.UNIQ_KEY: "U1"}, physical_offset=77)
+    tx = SimpleNamespace(ctx=SimpleNamespace(index=_IndexCaughtUpSince(), store=None))
+    tx._dead_letter_of = lambda *args, **kw: TransactionService._dead_letter_of(tx, *args, **kw)
+    with caplog.at_level(logging.WARNING, logger="txmq"):
+        assert await TransactionService._dead_letter_sender(tx, half) == ""
+    said = [r.getMessage() for r in caplog.records if "not looked up in the whole log" in r.getMessage()]
+    assert len(said) == 1 and "to offset 4096" in said[0], caplog.text
