@@ -340,7 +340,7 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
-    def no_space(self, items):
+    def no_space(self, items, *_):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
@@ -367,7 +367,7 @@ async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path,
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
-    def no_space(self, items):
+    def no_space(self, items, *_):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     with caplog.at_level(logging.ERROR, logger="txmq.index"):
@@ -453,7 +453,7 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
-    def no_space(self, items):
+    def no_space(self, items, *_):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
@@ -480,7 +480,7 @@ async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again
     svc = await _service(tmp_path, store)
     await svc.query("T", "x", 1, 0, 1)
 
-    def no_space(self, items):
+    def no_space(self, items, *_):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
@@ -508,7 +508,7 @@ async def test_another_error_while_resuming_from_a_full_disk_is_said(tmp_path, m
     await svc.query("T", "x", 1, 0, 1)
     errors = iter([errno.ENOSPC] + [errno.EIO] * 100)
 
-    def broken(self, items):
+    def broken(self, items, *_):
         raise OSError(next(errors), "write failed")
     monkeypatch.setattr(IndexFile, "put_many", broken)
     with caplog.at_level(logging.ERROR, logger="txmq.index"):
@@ -532,11 +532,11 @@ async def test_a_record_whose_keys_a_crash_split_gets_the_rest_at_the_next_start
     monkeypatch.setattr(index_file_mod, "MAX_BATCH", 2)  # this record's 5 entries take 3 header updates
     real, calls = IndexFile.put_many, []
 
-    def crash_after_first(self, items):
+    def crash_after_first(self, items, *rest):
         calls.append(len(items))
         if len(calls) > 1:
             raise OSError(5, "simulated crash between two batches")
-        return real(self, items)
+        return real(self, items, *rest)
     monkeypatch.setattr(IndexFile, "put_many", crash_after_first)
     split = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "a b c d", "UNIQ_KEY": "USPLIT"}))
     await svc.query("T", "x", 1, 0, 1)                   # the index thread has been through it
