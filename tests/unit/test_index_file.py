@@ -867,3 +867,40 @@ async def test_a_key_stored_before_a_step_back_within_a_file_is_found_by_its_tim
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(30)
+async def test_a_batch_s_newest_store_time_is_found_once_and_handed_to_put_many(tmp_path, monkeypatch):
+    """_fitting reads a batch's store times to cut it (file period, clock steps); put_many then scanned them again
+    for END TIMESTAMP, on a copy of the prefix. The newest it found is handed over (one-entry batches: their own)
+    and is the newest of what put_many writes; END TIMESTAMP is as before."""
+    base = 1_700_000_000_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    real, calls = IndexFile.put_many, []
+
+    def spy(self, items, most=1 << 30, newest=None):
+        n = real(self, items, most, newest)
+        calls.append((n, newest, max(t for _, _, t in items[:n]), self.end_ts))
+        return n
+    monkeypatch.setattr(IndexFile, "put_many", spy)
+    svc = await _service(tmp_path, store, clock=lambda: now[0])
+    try:
+        for i in range(3):          # one entry a record, indexed one at a time
+            now[0] = base + 1_000 * i
+            await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": f"U{i}"}))
+            await svc.query("T", f"U{i}", 1, 0, 2**62)
+        now[0] = base + 10_000      # a record of three entries, and more than one record in a batch
+        await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": "U3", "KEYS": "a b"}))
+        now[0] = base + 9_000
+        await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": "U4"}))
+        assert (await svc.query("T", "U4", 1, 0, 2**62))[0]
+    finally:
+        await svc.close()
+        await store.close()
+    assert sum(n for n, *_ in calls) == 7, calls
+    assert [1, 1, 1] == [n for n, *_ in calls[:3]], calls
+    for n, newest, most, end_ts in calls:
+        assert newest == most and end_ts == max(most, base), calls
