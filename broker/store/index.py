@@ -518,34 +518,33 @@ class IndexService:
     def _flush(self, items: list) -> None:
         while items:
             f = self._writable(items[0][2])
-            n, newest = self._fitting(f, items)
-            del items[:f.put_many(items, n, newest)]
+            n = f.put_many(items[:self._fitting(f, items)])
+            del items[:n]
 
-    def _fitting(self, f: IndexFile, items: list) -> tuple[int, int | None]:
+    def _fitting(self, f: IndexFile, items: list) -> int:
         """How many of ``items`` from the first go to ``f``: as far as the first whose store time is past the file's
         period or (unless the first already is) over BACK_STEP_MS below the newest before it in the file. The file
         was chosen by the first only: a batch across a step back of the clock had the records after it clamped to
-        a begin a day ahead, and a catch-up over days of the log put them all in one file. With it, the newest store
-        time of those (put_many's END TIMESTAMP, not scanned again there), or None where it was not looked for."""
-        first = items[0][2]
+        a begin a day ahead, and a catch-up over days of the log put them all in one file."""
         n = min(len(items), f.room, MAX_BATCH)
-        if n == 1:          # (one record, one key: a send at a time) it fits: _writable chose the file for it
-            return 1, first
+        if n == 1:          # one record, one key (a send at a time): _writable chose the file for it
+            return 1
+        first = items[0][2]
         begin, top = (f.begin_ts, max(f.end_ts, first)) if f.count > 1 else (first, first)
         hi = begin + self.period_ms
         times = list(map(TIME, itertools.islice(items, n)))
         if first < f.end_ts - BACK_STEP_MS and f.count > 1:     # stepped back, no new file (_may_roll_back): kept
-            return next((i for i in range(1, n) if times[i] >= hi), n), None
+            return next((i for i in range(1, n) if times[i] >= hi), n)
         lo, most = min(times), max(times)
         if top - BACK_STEP_MS <= lo and most - BACK_STEP_MS <= lo and most < hi:    # (the common case)
-            return n, most
+            return n
         for i in range(1, n):
             t = times[i]
             if t >= hi or t < top - BACK_STEP_MS:
-                return i, None
+                return i
             if t > top:
                 top = t
-        return n, None
+        return n
 
     def _writable(self, ts: int) -> IndexFile:
         last = self.files[-1] if self.files else None

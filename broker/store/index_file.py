@@ -305,11 +305,10 @@ class IndexFile:
     def room(self) -> int:
         return max(0, self.entries - self.count)
 
-    def put_many(self, items: list[tuple[int, int, int]], most: int = MAX_BATCH, newest: int | None = None) -> int:
+    def put_many(self, items: list[tuple[int, int, int]]) -> int:
         """Add (key hash, commit-log offset, store time) entries, in order, as far as the file has room
-        (at most MAX_BATCH, and at most ``most``); returns how many were added. ``newest``: the greatest store
-        time of those, if the caller knows it (else read from them). Blocking: the index thread's work."""
-        n = min(len(items), self.room, MAX_BATCH, most)
+        (at most MAX_BATCH); returns how many were added. Blocking: the index thread's work."""
+        n = min(len(items), self.room, MAX_BATCH)
         if n <= 0:
             return 0
         self.cache_slots()
@@ -321,9 +320,11 @@ class IndexFile:
         begin_ts, slot_count = self.begin_ts, self.slot_count
         if count <= 1:                  # the file's first entry fixes its begin (RocketMQ sets it just after)
             self.begin_phy, begin_ts = items[0][1], items[0][2]
-        at = 0
+        at, newest = 0, items[0][2]
         for i in range(n):
             h, phy, ts = items[i]
+            if ts > newest:
+                newest = ts
             slot = h % nslots
             value = slots.get(slot)
             if value is None:
@@ -350,8 +351,6 @@ class IndexFile:
         # The newest of the batch (a batch's last record may be one stored after the clock stepped back: END set to
         # it, a query for the ones before found the file out of its range), never below the begin or the end it
         # had: one stepped back made END < BEGIN, a header every later start took for damage (all files rebuilt).
-        if newest is None:
-            newest = max(map(TIME, itertools.islice(items, n)))
         end_ts = max(newest, begin_ts if first <= 1 else self.end_ts)
         self.count, self.begin_ts, self.end_phy, self.end_ts = count, begin_ts, last[1], end_ts
         self.slot_count = slot_count

@@ -340,7 +340,7 @@ async def test_a_failed_write_stops_indexing_until_a_restart_catches_up(tmp_path
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
-    def no_space(self, items, *_):
+    def no_space(self, items):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
@@ -367,7 +367,7 @@ async def test_indexing_a_full_disk_stopped_resumes_once_there_is_room(tmp_path,
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
-    def no_space(self, items, *_):
+    def no_space(self, items):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     with caplog.at_level(logging.ERROR, logger="txmq.index"):
@@ -453,7 +453,7 @@ async def test_an_idle_broker_resumes_indexing_without_a_send_or_a_query(tmp_pat
     await svc.query("T", "x", 1, 0, 1)
     real = IndexFile.put_many
 
-    def no_space(self, items, *_):
+    def no_space(self, items):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     lost = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
@@ -480,7 +480,7 @@ async def test_a_resume_due_after_the_index_closed_does_not_open_its_files_again
     svc = await _service(tmp_path, store)
     await svc.query("T", "x", 1, 0, 1)
 
-    def no_space(self, items, *_):
+    def no_space(self, items):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(IndexFile, "put_many", no_space)
     await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
@@ -508,7 +508,7 @@ async def test_another_error_while_resuming_from_a_full_disk_is_said(tmp_path, m
     await svc.query("T", "x", 1, 0, 1)
     errors = iter([errno.ENOSPC] + [errno.EIO] * 100)
 
-    def broken(self, items, *_):
+    def broken(self, items):
         raise OSError(next(errors), "write failed")
     monkeypatch.setattr(IndexFile, "put_many", broken)
     with caplog.at_level(logging.ERROR, logger="txmq.index"):
@@ -532,11 +532,11 @@ async def test_a_record_whose_keys_a_crash_split_gets_the_rest_at_the_next_start
     monkeypatch.setattr(index_file_mod, "MAX_BATCH", 2)  # this record's 5 entries take 3 header updates
     real, calls = IndexFile.put_many, []
 
-    def crash_after_first(self, items, *rest):
+    def crash_after_first(self, items):
         calls.append(len(items))
         if len(calls) > 1:
             raise OSError(5, "simulated crash between two batches")
-        return real(self, items, *rest)
+        return real(self, items)
     monkeypatch.setattr(IndexFile, "put_many", crash_after_first)
     split = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "a b c d", "UNIQ_KEY": "USPLIT"}))
     await svc.query("T", "x", 1, 0, 1)                   # the index thread has been through it
@@ -870,10 +870,10 @@ async def test_a_key_stored_before_a_step_back_within_a_file_is_found_by_its_tim
 
 
 @bounded(30)
-async def test_a_batch_s_newest_store_time_is_found_once_and_handed_to_put_many(tmp_path, monkeypatch):
-    """_fitting reads a batch's store times to cut it (file period, clock steps); put_many then scanned them again
-    for END TIMESTAMP, on a copy of the prefix. The newest it found is handed over (one-entry batches: their own)
-    and is the newest of what put_many writes; END TIMESTAMP is as before."""
+async def test_each_batch_sets_end_timestamp_to_the_newest_store_time_it_writes(tmp_path, monkeypatch):
+    """A batch's newest store time is its file's END TIMESTAMP, found in put_many's loop (it was scanned again after
+    it, on top of _fitting's list of the times); a one-entry batch is not cut at all (_writable chose the file for
+    it). A batch whose last record is not its newest (stored 1 s back) still ends at its newest."""
     base = 1_700_000_000_000
     now = [base]
     store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
@@ -881,18 +881,18 @@ async def test_a_batch_s_newest_store_time_is_found_once_and_handed_to_put_many(
     await store.open()
     real, calls = IndexFile.put_many, []
 
-    def spy(self, items, most=1 << 30, newest=None):
-        n = real(self, items, most, newest)
-        calls.append((n, newest, max(t for _, _, t in items[:n]), self.end_ts))
+    def spy(self, items):
+        n = real(self, items)
+        calls.append((n, max(t for _, _, t in items[:n]) - base, self.end_ts - base))
         return n
     monkeypatch.setattr(IndexFile, "put_many", spy)
-    svc = await _service(tmp_path, store, clock=lambda: now[0])
+    svc = await _service(tmp_path, store, clock=lambda: now[0], lag_ms=60_000.0)   # indexed at each query
     try:
         for i in range(3):          # one entry a record, indexed one at a time
             now[0] = base + 1_000 * i
             await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": f"U{i}"}))
-            await svc.query("T", f"U{i}", 1, 0, 2**62)
-        now[0] = base + 10_000      # a record of three entries, and more than one record in a batch
+            assert (await svc.query("T", f"U{i}", 1, 0, 2**62))[0]
+        now[0] = base + 10_000      # a record of three entries, then one stored 1 s before it: one batch of four
         await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": "U3", "KEYS": "a b"}))
         now[0] = base + 9_000
         await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": "U4"}))
@@ -900,7 +900,40 @@ async def test_a_batch_s_newest_store_time_is_found_once_and_handed_to_put_many(
     finally:
         await svc.close()
         await store.close()
-    assert sum(n for n, *_ in calls) == 7, calls
-    assert [1, 1, 1] == [n for n, *_ in calls[:3]], calls
-    for n, newest, most, end_ts in calls:
-        assert newest == most and end_ts == max(most, base), calls
+    assert calls == [(1, 0, 0), (1, 1_000, 1_000), (1, 2_000, 2_000), (4, 10_000, 10_000)], calls
+
+
+@bounded(30)
+async def test_a_batch_cut_to_one_entry_by_a_nearly_full_file_indexes_the_rest_once_each_in_its_time(tmp_path):
+    """A batch meeting a file with room for one entry is cut to that one without a look at its times (a one-entry
+    cut needs none: _writable chose the file for it); the rest, the next record stepped back over BACK_STEP_MS
+    among them, go on to a new file, each once and found by a +-5 s window around its store time."""
+    base, minute = 1_700_000_000_000, 60_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    svc = await _service(tmp_path, store, clock=lambda: now[0], lag_ms=60_000.0)
+    sent = {}
+
+    async def put(key):
+        sent[key] = (now[0], (await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+
+    try:
+        for i in range(ENTRIES - 2):        # one entry a record, each indexed on its own: room for one left
+            now[0] = base + 1_000 * i
+            await put(f"k{i}")
+            assert (await svc.query("T", f"k{i}", 64, 0, 2**62))[0] == [sent[f"k{i}"][1]]
+        assert [f.room for f in svc.files] == [1], [(f.count, f.room) for f in svc.files]
+        for now[0], key in ((base + 10_000, "last-in"), (base + 10_000 - 2 * minute, "back"),
+                            (base + 11_000, "after")):
+            await put(key)          # gathered for lag_ms: the query below takes them in one batch
+        assert (await svc.query("T", "after", 64, 0, 2**62))[0] == [sent["after"][1]]
+        assert [f.count - 1 for f in svc.files] == [ENTRIES - 1, 2], [(f.count, f.end_ts - base) for f in svc.files]
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, 0, 2**62))[0] == [phy], key
+            assert (await svc.query("T", key, 64, ts - 5_000, ts + 5_000))[0] == [phy], key
+        assert svc.files[0].end_ts == base + 10_000 and svc.files[1].begin_ts == base + 10_000 - 2 * minute
+    finally:
+        await svc.close()
+        await store.close()
