@@ -579,10 +579,12 @@ class IndexService:
         period or (unless the first already is) over BACK_STEP_MS below the newest before it in the file. The file
         was chosen by the first only: a batch across a step back of the clock had the records after it clamped to
         a begin a day ahead, and a catch-up over days of the log put them all in one file."""
+        n = min(len(items), f.room, MAX_BATCH)
+        if n == 1:          # one record, one key (a send at a time): _writable chose the file for it
+            return 1
         first = items[0][2]
         begin, top = (f.begin_ts, max(f.end_ts, first)) if f.count > 1 else (first, first)
         hi = begin + self.period_ms
-        n = min(len(items), f.room, MAX_BATCH)
         times = list(map(TIME, itertools.islice(items, n)))
         if first < f.end_ts - BACK_STEP_MS and f.count > 1:     # stepped back, no new file (_may_roll_back): kept
             return next((i for i in range(1, n) if times[i] >= hi), n)

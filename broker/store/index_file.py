@@ -320,9 +320,11 @@ class IndexFile:
         begin_ts, slot_count = self.begin_ts, self.slot_count
         if count <= 1:                  # the file's first entry fixes its begin (RocketMQ sets it just after)
             self.begin_phy, begin_ts = items[0][1], items[0][2]
-        at = 0
+        at, newest = 0, items[0][2]
         for i in range(n):
             h, phy, ts = items[i]
+            if ts > newest:
+                newest = ts
             slot = h % nslots
             value = slots.get(slot)
             if value is None:
@@ -349,7 +351,7 @@ class IndexFile:
         # The newest of the batch (a batch's last record may be one stored after the clock stepped back: END set to
         # it, a query for the ones before found the file out of its range), never below the begin or the end it
         # had: one stepped back made END < BEGIN, a header every later start took for damage (all files rebuilt).
-        end_ts = max(max(map(TIME, items[:n])), begin_ts if first <= 1 else self.end_ts)
+        end_ts = max(newest, begin_ts if first <= 1 else self.end_ts)
         self.count, self.begin_ts, self.end_phy, self.end_ts = count, begin_ts, last[1], end_ts
         self.slot_count = slot_count
         self._write_header()

@@ -1126,3 +1126,73 @@ async def test_a_key_stored_before_a_step_back_within_a_file_is_found_by_its_tim
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(30)
+async def test_each_batch_sets_end_timestamp_to_the_newest_store_time_it_writes(tmp_path, monkeypatch):
+    """A batch's newest store time is its file's END TIMESTAMP, found in put_many's loop (it was scanned again after
+    it, on top of _fitting's list of the times); a one-entry batch is not cut at all (_writable chose the file for
+    it). A batch whose last record is not its newest (stored 1 s back) still ends at its newest."""
+    base = 1_700_000_000_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    real, calls = IndexFile.put_many, []
+
+    def spy(self, items):
+        n = real(self, items)
+        calls.append((n, max(t for _, _, t in items[:n]) - base, self.end_ts - base))
+        return n
+    monkeypatch.setattr(IndexFile, "put_many", spy)
+    svc = await _service(tmp_path, store, clock=lambda: now[0], lag_ms=60_000.0)   # indexed at each query
+    try:
+        for i in range(3):          # one entry a record, indexed one at a time
+            now[0] = base + 1_000 * i
+            await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": f"U{i}"}))
+            assert (await svc.query("T", f"U{i}", 1, 0, 2**62))[0]
+        now[0] = base + 10_000      # a record of three entries, then one stored 1 s before it: one batch of four
+        await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": "U3", "KEYS": "a b"}))
+        now[0] = base + 9_000
+        await store.put(PutRequest.build("T", b"x", properties={"UNIQ_KEY": "U4"}))
+        assert (await svc.query("T", "U4", 1, 0, 2**62))[0]
+    finally:
+        await svc.close()
+        await store.close()
+    assert calls == [(1, 0, 0), (1, 1_000, 1_000), (1, 2_000, 2_000), (4, 10_000, 10_000)], calls
+
+
+@bounded(30)
+async def test_a_batch_cut_to_one_entry_by_a_nearly_full_file_indexes_the_rest_once_each_in_its_time(tmp_path):
+    """A batch meeting a file with room for one entry is cut to that one without a look at its times (a one-entry
+    cut needs none: _writable chose the file for it); the rest, the next record stepped back over BACK_STEP_MS
+    among them, go on to a new file, each once and found by a +-5 s window around its store time."""
+    base, minute = 1_700_000_000_000, 60_000
+    now = [base]
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048),
+                         clock=lambda: now[0])
+    await store.open()
+    svc = await _service(tmp_path, store, clock=lambda: now[0], lag_ms=60_000.0)
+    sent = {}
+
+    async def put(key):
+        sent[key] = (now[0], (await store.put(PutRequest.build("T", b"x", properties={"KEYS": key}))).physical_offset)
+
+    try:
+        for i in range(ENTRIES - 2):        # one entry a record, each indexed on its own: room for one left
+            now[0] = base + 1_000 * i
+            await put(f"k{i}")
+            assert (await svc.query("T", f"k{i}", 64, 0, 2**62))[0] == [sent[f"k{i}"][1]]
+        assert [f.room for f in svc.files] == [1], [(f.count, f.room) for f in svc.files]
+        for now[0], key in ((base + 10_000, "last-in"), (base + 10_000 - 2 * minute, "back"),
+                            (base + 11_000, "after")):
+            await put(key)          # gathered for lag_ms: the query below takes them in one batch
+        assert (await svc.query("T", "after", 64, 0, 2**62))[0] == [sent["after"][1]]
+        assert [f.count - 1 for f in svc.files] == [ENTRIES - 1, 2], [(f.count, f.end_ts - base) for f in svc.files]
+        for key, (ts, phy) in sent.items():
+            assert (await svc.query("T", key, 64, 0, 2**62))[0] == [phy], key
+            assert (await svc.query("T", key, 64, ts - 5_000, ts + 5_000))[0] == [phy], key
+        assert svc.files[0].end_ts == base + 10_000 and svc.files[1].begin_ts == base + 10_000 - 2 * minute
+    finally:
+        await svc.close()
+        await store.close()
