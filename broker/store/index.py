@@ -60,7 +60,11 @@ _SIZE_MAGIC = struct.Struct(">ii")
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 _I16 = struct.Struct(">h")
-_PROGRESS = struct.Struct(">qI")
+_PROGRESS = struct.Struct(">qI")        # covered, crc32 of it (what 4.9.8-era txmq wrote; still read)
+# covered, 1 if no index file was held when it was saved, crc32 of both. Without the flag a start that found no
+# file could not tell "removed" (``rm index/*``: rebuild from the log's start) from "never needed one" (no record
+# had a key or UNIQ_KEY: raw sends, clients that set none) and re-read the whole commit log at every start.
+_PROGRESS_FLAGGED = struct.Struct(">qBI")
 PROGRESS_FILE = "progress"
 PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
                                 # load, most of its 20 MB): once a second that cost the broker 2-5 us per send
@@ -327,9 +331,11 @@ class IndexService:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
         # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
-        # with no entries behind it would skip the whole log before it.)
-        if not self.rebuilt and names:
-            start = max(start, min(self._read_progress(), log_end))
+        # with no entries behind it would skip the whole log before it -- unless it was saved with no file: then
+        # no record before it needed an entry, and a file made after it holds entries of records past it only.)
+        progress, without_files = self._read_progress()
+        if not self.rebuilt and (names or without_files):
+            start = max(start, min(progress, log_end))
         self.covered = start
         behind = log_end - start
         (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
@@ -347,16 +353,22 @@ class IndexService:
                 log.error("could not remove index file %s: %s", name, exc)
         self.rebuilt = list(names)
 
-    def _read_progress(self) -> int:
+    def _read_progress(self) -> tuple[int, bool]:
+        """(covered as saved, whether it was saved with no index file); (0, False) if none or damaged."""
         try:
             with open(os.path.join(self.directory, PROGRESS_FILE), "rb") as fh:
-                raw = fh.read(_PROGRESS.size + 1)
+                raw = fh.read(_PROGRESS_FLAGGED.size + 1)
         except OSError:
-            return 0
-        if len(raw) != _PROGRESS.size:
-            return 0
-        value, crc = _PROGRESS.unpack(raw)
-        return value if crc == zlib.crc32(raw[:8]) and value >= 0 else 0
+            return 0, False
+        if len(raw) == _PROGRESS.size:
+            (value, crc), without_files = _PROGRESS.unpack(raw), 0
+        elif len(raw) == _PROGRESS_FLAGGED.size:
+            value, without_files, crc = _PROGRESS_FLAGGED.unpack(raw)
+        else:
+            return 0, False
+        if crc != zlib.crc32(raw[:-4]) or value < 0:
+            return 0, False
+        return value, without_files == 1
 
     # ------------------------------------------------------------ the index thread
     def _main(self) -> None:
@@ -483,7 +495,7 @@ class IndexService:
                                         "under the running broker")
         if self.files:
             self.files[-1].sync()       # entries before the progress that says they exist
-        raw = struct.pack(">q", value)
+        raw = struct.pack(">qB", value, not self.files)
         raw += struct.pack(">I", zlib.crc32(raw))
         path = os.path.join(self.directory, PROGRESS_FILE)
         tmp = path + ".tmp"

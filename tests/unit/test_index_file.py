@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import threading
+import zlib
 
 import pytest
 
@@ -534,6 +535,41 @@ async def test_index_files_removed_while_stopped_with_the_progress_left_are_rebu
     svc = await _service(tmp_path, store)
     assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 3
     await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_log_of_records_without_keys_is_not_read_again_at_every_start(tmp_path):
+    """Records with no KEYS and no UNIQ_KEY (raw sends, a client that sets none) need no entry, so no index file
+    was ever made; a start that found no file took it for ``rm index/*``, ignored the progress and re-read the whole
+    commit log -- at every start (232,000 bytes of 2,000 such sends on a real broker, each restart). A progress
+    saved with no file says so; the index files removed with the progress left are still rebuilt (test above)."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)          # after the start's catch-up
+    await svc.close()
+    assert [n for n in os.listdir(tmp_path / "index") if n.isdigit()] == []
+    svc = await _service(tmp_path, store)
+    assert svc.covered == store.max_physical_offset     # nothing to catch up
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "later"}))
+    assert (await svc.query("T", "later", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_progress_file_of_the_earlier_format_is_still_read(tmp_path):
+    """The progress as txmq wrote it before it said whether a file was held (a value and its crc32): still taken."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    raw = struct.pack(">q", store.max_physical_offset)
+    (tmp_path / "index" / index_mod.PROGRESS_FILE).write_bytes(raw + struct.pack(">I", zlib.crc32(raw)))
+    assert svc._read_progress() == (store.max_physical_offset, False)
     await store.close()
 
 
