@@ -95,6 +95,7 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the di
 _NOT_THE_FILE = (errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
+OPEN_INDEX_FILES = 16           # older index files' descriptors kept open (least recently queried closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
 # A job on the index thread that has run this long (not its wait behind others): a write there hangs (the periodic
 # progress save's msync of the newest file or its index/progress write, on a hung disk or a stopped NFS). A query
@@ -143,6 +144,7 @@ class IndexService:
         self.refuse_ratio = refuse_ratio
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.files: list[IndexFile] = []
+        self._queried: collections.OrderedDict[IndexFile, None] = collections.OrderedDict()  # older files open
         self.covered = 0                # every record below is indexed (or has no key)
         self.rebuilt: list[str] = []    # files found damaged at start-up (removed and re-indexed)
         self._skip = -1                 # the newest entry's record: indexed already (at least in part) ...
@@ -330,6 +332,8 @@ class IndexService:
         if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
+        for f in self.files[:-1]:       # (a query opens one again: OPEN_INDEX_FILES)
+            f.park()
         # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
         # with no entries behind it would skip the whole log before it -- unless it was saved with no file: then
         # no record before it needed an entry, and a file made after it holds entries of records past it only.)
@@ -451,6 +455,7 @@ class IndexService:
         for f in self.files:
             f.close()
         self.files = []
+        self._queried.clear()
         self._skip, self._skip_hashes = -1, set()
         if self._removed_under:
             # Files removed under the running broker: the ones made since begin past what they held. Started from
@@ -627,6 +632,7 @@ class IndexService:
         if last is not None:
             last.release_slots()
             last.sync()
+            last.park()
             log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
         self.files.append(f)
         return f
@@ -788,6 +794,8 @@ class IndexService:
             if len(found) >= max_num or cut or budget.cut:  # before the first file too: a maxNum of 0 asks for
                 break                                       # nothing (RocketMQ)
             if f.count > 1 and f.time_matched(begin, end):
+                if i < len(files) - 1:
+                    self._reopened(f)
                 for phy in f.walk(h, begin, end, budget):   # every entry of the hash, not a count of them: see walk
                     if checks <= 0:
                         cut = True
@@ -799,12 +807,23 @@ class IndexService:
                             break
             if f.count > 1 and f.begin_ts < begin and (i == 0 or ends[i - 1] < begin):
                 break
+        while len(self._queried) > OPEN_INDEX_FILES:
+            self._queried.popitem(last=False)[0].park()
         cut = cut or budget.cut
         if cut:
             self._said_cut(topic, key, len(found))
         last = files[-1] if files else None
         return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut,
                            self.covered if self.partial else None)
+
+    def _reopened(self, f: IndexFile) -> None:
+        """An older file a query reads: opened again if parked, the last OPEN_INDEX_FILES queried kept open."""
+        try:
+            f.reopen()
+        except OSError as exc:      # out of descriptors; removed under the broker (the next progress save rebuilds)
+            raise StoreError(f"index file {f.name} could not be opened for this query: {exc}") from exc
+        self._queried[f] = None
+        self._queried.move_to_end(f)
 
     def _said_cut(self, topic: str, key: str, found: int) -> None:
         self.queries_cut += 1
@@ -837,6 +856,7 @@ class IndexService:
         gone = []
         while len(self.files) > 1 and self.files[0].end_phy < min_offset:
             f = self.files.pop(0)
+            self._queried.pop(f, None)
             f.remove()
             gone.append(f.name)
         for start in [s for s in self._fds if s + self.seg_size <= min_offset]:
