@@ -135,9 +135,10 @@ class _Deadline(io.RawIOBase):
             raise
 
 
-def start_metrics_server(port: int, addr: str, registry, loop_of):
+def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
     """Serve ``registry`` on ``addr``:``port`` (0: any free port) from a daemon thread, rendered on the loop
-    ``loop_of()`` returns. Returns the server (its server_address; shutdown() and server_close() stop it)."""
+    ``loop_of()`` returns, after ``before()`` (what is read off the loop) on the thread. Returns the server (its
+    server_address; shutdown() and server_close() stop it)."""
     plain = make_wsgi_app(registry)         # OPTIONS, other methods and /favicon.ico: prometheus-client's answers
 
     def app(environ, start_response):
@@ -151,6 +152,8 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
         try:
             if loop is None:
                 raise RuntimeError("the broker is not running")
+            if before is not None:
+                before()
             rendering = asyncio.run_coroutine_threadsafe(render(encode, chosen), loop)
             try:
                 output = rendering.result(RENDER_TIMEOUT_S)
