@@ -243,6 +243,34 @@ async def test_a_held_pull_answers_by_the_expression_its_group_has_now(broker_fa
             raw.close()
 
 
+
+@bounded(60)
+async def test_a_held_pull_carrying_its_sql_subscription_is_woken_by_it(broker_factory):
+    """A lite pull consumer's held pull names its expression and its type (SQL92); a held pull keeps only the
+    fields it reads again (not its body, nor made-up fields). Run again without expressionType it was read as
+    a TAG expression: the message its SQL wants was answered as no match."""
+    from tests.integration.test_hostile import _parked_becomes
+    broker = broker_factory("--enable-property-filter", "true")
+    async with Producer(broker.namesrv, "PG_sql_held") as producer:
+        mq = (await producer.send(TOPIC, b"m0", properties={"a": "0"})).queue
+        raw = await RawClient.open(broker.broker)
+        try:
+            java = JavaConsumer(raw)
+            java.opaque += 1
+            raw.write(java_frame(11, java.opaque, {
+                "consumerGroup": GROUP, "topic": TOPIC, "queueId": str(mq.queue_id), "queueOffset": "1",
+                "maxMsgNums": "32", "sysFlag": "6", "commitOffset": "0", "suspendTimeoutMillis": "20000",
+                "subscription": "a = 2", "subVersion": "1", "expressionType": "SQL92", "madeUp": "x" * 1000},
+                b"a body no pull reads"))
+            held = asyncio.ensure_future(raw.reply(java.opaque, 30.0))
+            assert await _parked_becomes(broker, 1, 20) == 1
+            await producer.send(TOPIC, b"m2", properties={"a": "2"}, queue=mq)
+            reply = (await held)[0]
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+            assert [m.body for m in decode_records(reply.body_bytes())] == [b"m2"]
+        finally:
+            raw.close()
+
 @bounded(90)
 async def test_our_push_consumer_consumes_by_sql(broker_factory):
     """PushConsumer with MessageSelector.by_sql: every matching message, none other."""
