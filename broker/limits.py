@@ -409,7 +409,10 @@ class ConnectionGate:
             for host, count in gate._by_host.items():
                 held[host] = held.get(host, 0) + count
         top = heapq.nlargest(3, held.items(), key=lambda item: item[1])
-        return "; the addresses holding the most: " + ", ".join(f"{host} ({count})" for host, count in top)
+        raise_what = "ulimit -n (LimitNOFILE)" if why == "open-files" else "--max-connections"
+        return ("; the addresses holding the most: " + ", ".join(f"{host} ({count})" for host, count in top)
+                + f"; every new client is refused until some close: stop a client that leaks connections, or raise "
+                  f"{raise_what}")
 
     @staticmethod
     def share_descriptors(gates: list["ConnectionGate"], max_together: int) -> None:
