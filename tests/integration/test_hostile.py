@@ -371,3 +371,47 @@ async def test_pipelined_headers_of_made_up_fields_do_not_hold_other_clients_beh
     finally:
         other.close()
         flood.close()
+
+
+async def test_held_pulls_of_a_stored_subscription_keep_no_subscription_text_they_never_read(broker):
+    """A pull without the SUBSCRIPTION flag (a stock push consumer's) is filtered by the subscription its group's
+    heartbeat stored: its own subscription and expressionType fields are never read, neither when it is held nor
+    when it runs again. A held pull kept them all the same: 400 held pulls each naming 200 KiB of a made-up
+    "subscription" grew the broker some 80 MB (a host may hold 20,000 such pulls: 4 GB), past any TAG limit (16
+    KiB), as nothing parsed them."""
+    import json
+
+    from tests.support.raw_client import RawClient
+
+    async with Producer(broker.namesrv, "PG_stored", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("StoredSubs", b"first"), 10)
+    client = await RawClient.open(broker.broker)
+    try:
+        body = {"clientID": "127.0.0.1@stored", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": "CG_stored", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                "classFilterMode": False, "topic": "StoredSubs", "subString": "*", "tagsSet": [], "codeSet": [],
+                "subVersion": 1, "expressionType": "TAG"}]}]}
+        client.write(RemotingCommand(RequestCode.HEART_BEAT, opaque=900_000, body=json.dumps(body).encode()).encode())
+        [beat] = await client.reply(900_000, 10)
+        assert beat.code == ResponseCode.SUCCESS, beat.remark
+        fields = {"consumerGroup": "CG_stored", "topic": "StoredSubs", "queueId": sent.queue.queue_id,
+                  "queueOffset": sent.queue_offset + 1, "maxMsgNums": 32, "sysFlag": PullSysFlag.SUSPEND,
+                  "commitOffset": 0, "suspendTimeoutMillis": 30000, "subVersion": 1}
+        before = _rss_mb(broker.proc.pid)
+        for opaque in range(2, 402):
+            junk = {"subscription": f"{opaque:x}" + "s" * 200 * 1024, "expressionType": "TAG"}
+            client.write(RemotingCommand(RequestCode.PULL_MESSAGE, opaque=opaque, ext_fields={**fields, **junk}).encode())
+            await client.writer.drain()
+        assert await _parked_becomes(broker, 400, 30) == 400
+        grown = _rss_mb(broker.proc.pid) - before
+        assert grown < 40, f"400 held pulls grew the broker {grown} MB"
+        async with Producer(broker.namesrv, "PG_stored", retries=0) as producer:
+            await asyncio.wait_for(producer.send("StoredSubs", b"second", queue=sent.queue), 10)
+        for opaque in (2, 401):         # woken, filtered by the stored "*"
+            [reply] = await client.reply(opaque, 10)
+            assert reply.code == ResponseCode.SUCCESS, reply.remark
+            assert reply.int_field("nextBeginOffset") == sent.queue_offset + 2
+    finally:
+        client.close()
+    await _still_serves(broker)
