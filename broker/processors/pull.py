@@ -316,10 +316,12 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
     return _reply(ctx, cmd, group, topic, got)
 
 
-# The fields a held pull reads when it runs again (handle_pull with woken, _reply, _code); the last two only by a
-# pull that carries its subscription (PullSysFlag.SUBSCRIPTION).
-_HELD_FIELDS = ("consumerGroup", "topic", "queueId", "queueOffset", "maxMsgNums", "sysFlag", "subVersion")
-_HELD_SUBSCRIPTION_FIELDS = _HELD_FIELDS + ("subscription", "expressionType")
+# The fields a held pull reads when it runs again (handle_pull with woken, _reply, _code): the numbers, kept as
+# read (int() takes a number padded with any whitespace); the names; the last two only by a pull that carries its
+# subscription (PullSysFlag.SUBSCRIPTION).
+_HELD_NUMBERS = ("queueId", "queueOffset", "maxMsgNums", "sysFlag", "subVersion")
+_HELD_NAMES = ("consumerGroup", "topic")
+_HELD_SUBSCRIPTION = ("subscription", "expressionType")
 
 
 def _keep_what_a_held_pull_reads(cmd) -> None:
@@ -328,10 +330,13 @@ def _keep_what_a_held_pull_reads(cmd) -> None:
     (none is read; a frame may carry 16 MiB) and a header of made-up fields (256 KiB of them decoded to 2.3 MB).
     500 held pulls of a 1 MiB body each grew the broker by 500 MB, counted nowhere (a held pull's cost, for
     max_parked_pulls_per_host, is some 5.6 KB). A pull filtered by its group's stored subscription (a stock push
-    consumer's) never reads its own subscription field: 200 KiB of one, parsed by nothing, was kept too."""
+    consumer's) never reads its own subscription field: 200 KiB of one, parsed by nothing, was kept too, as were
+    numbers padded with 200 KiB of spaces."""
     fields = cmd.ext_fields
-    kept = _HELD_SUBSCRIPTION_FIELDS if cmd.int_field("sysFlag", 0) & PullSysFlag.SUBSCRIPTION else _HELD_FIELDS
-    cmd.ext_fields = {name: fields[name] for name in kept if name in fields}
+    kept = {name: str(cmd.int_field(name)) for name in _HELD_NUMBERS if fields.get(name) not in (None, "")}
+    names = _HELD_NAMES + _HELD_SUBSCRIPTION if cmd.int_field("sysFlag", 0) & PullSysFlag.SUBSCRIPTION else _HELD_NAMES
+    kept.update((name, fields[name]) for name in names if name in fields)
+    cmd.ext_fields = kept
     cmd.body = b""
     cmd.remark = None
 
