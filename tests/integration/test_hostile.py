@@ -303,6 +303,16 @@ def _rss_mb(pid: int) -> int:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS:"))
 
 
+async def _woken_in_full(broker, client, sent, opaques) -> None:
+    """Store a message after ``sent`` in its queue: the held pulls ``opaques`` are each woken and answered in full."""
+    async with Producer(broker.namesrv, "PG_wake", retries=0) as producer:
+        await asyncio.wait_for(producer.send(sent.queue.topic, b"second", queue=sent.queue), 10)
+    for opaque in opaques:
+        [reply] = await client.reply(opaque, 10)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        assert reply.int_field("nextBeginOffset") == sent.queue_offset + 2
+
+
 async def test_held_pulls_keep_neither_their_bodies_nor_made_up_fields(broker):
     """A held pull kept its whole request for its suspend time: a body (never read; a frame may carry 16 MiB) and
     a header of made-up fields (20,000 of them decoded to 1.5 MB). 500 held pulls of a 1 MiB body each grew the
@@ -327,12 +337,7 @@ async def test_held_pulls_keep_neither_their_bodies_nor_made_up_fields(broker):
         assert await _parked_becomes(broker, 200, 30) == 200
         grown = _rss_mb(broker.proc.pid) - before
         assert grown < 100, f"200 held pulls grew the broker {grown} MB"      # 235 MB: each its whole request
-        async with Producer(broker.namesrv, "PG_fat", retries=0) as producer:
-            await asyncio.wait_for(producer.send("FatPulls", b"second", queue=sent.queue), 10)
-        for opaque in (1, 4):           # a pull of a body, one of made-up fields: each woken and answered in full
-            [reply] = await client.reply(opaque, 10)
-            assert reply.code == ResponseCode.SUCCESS, reply.remark
-            assert reply.int_field("nextBeginOffset") == sent.queue_offset + 2
+        await _woken_in_full(broker, client, sent, (1, 4))      # a pull of a body, one of made-up fields
     finally:
         client.close()
     await _still_serves(broker)
@@ -408,12 +413,7 @@ async def test_held_pulls_keep_no_subscription_text_nor_padding_they_never_read(
         assert await _parked_becomes(broker, 400, 30) == 400
         grown = _rss_mb(broker.proc.pid) - before
         assert grown < 20, f"400 held pulls grew the broker {grown} MB"      # 81 MB: each kept its 200 KiB
-        async with Producer(broker.namesrv, "PG_stored", retries=0) as producer:
-            await asyncio.wait_for(producer.send("StoredSubs", b"second", queue=sent.queue), 10)
-        for opaque in (2, 401):         # woken, filtered by the stored "*"
-            [reply] = await client.reply(opaque, 10)
-            assert reply.code == ResponseCode.SUCCESS, reply.remark
-            assert reply.int_field("nextBeginOffset") == sent.queue_offset + 2
+        await _woken_in_full(broker, client, sent, (2, 401))    # filtered by the stored "*"; padded numbers read
     finally:
         client.close()
     await _still_serves(broker)
