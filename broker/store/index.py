@@ -475,8 +475,10 @@ class IndexService:
         # ``rm index/*`` under a running broker (the directory kept): the entries went on into the unlinked files
         # and this save said them indexed, no error; the next start took the progress and rebuilt nothing before
         # it. An OSError: indexing stops and the resume rebuilds the index from the log. (A stat a file each save:
-        # a file per day or per 20M entries. By path, not st_nlink, which some file systems do not keep.)
-        gone = [f.name for f in self.files if not os.path.exists(f.path)]
+        # a file per day or per 20M entries. By path, not st_nlink, which some file systems do not keep. ENOENT only:
+        # os.path.exists, False for any error of stat, took a file a failing disk could not stat (EIO) for removed,
+        # and the resume unlinked every index file; that error is raised, tried again as any OSError.)
+        gone = [f.name for f in self.files if not _exists(f.path)]
         if gone:
             self._removed_under = True      # the resume rebuilds all of it: the files left start past a gap
             raise OSError(errno.ENOENT, f"{len(gone)} index file(s) ({gone[0]} ...) removed from {self.directory} "
@@ -852,6 +854,15 @@ def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> 
               "they take disk space until a later start loads them and removes them at a segment removal: fix the "
               "error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
               fut.exception())
+
+
+def _exists(path: str) -> bool:
+    """Whether ``path`` is there: False for ENOENT only (a file removed), any other error of stat raised."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _file_name(ms: int) -> str:

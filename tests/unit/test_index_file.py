@@ -520,6 +520,39 @@ async def test_the_index_files_removed_but_not_their_directory_are_rebuilt(tmp_p
 
 
 @bounded(20)
+async def test_an_index_file_a_failing_disk_cannot_stat_is_not_taken_for_removed(tmp_path, monkeypatch, caplog):
+    """The progress save looks for index files removed under it (``rm index/*``) by path: os.path.exists, False for
+    ANY error of stat(2) -- EIO from a failing disk, EACCES. A file that was there was taken for removed, and the
+    resume unlinked every index file and the progress and rebuilt the whole index from the commit log (WARNING "its
+    files were removed under the running broker"). Only ENOENT says a file is gone; another error stops indexing,
+    tried again as any OSError, the files kept."""
+    monkeypatch.setattr(index_mod, "PROGRESS_EVERY_S", 0)     # a progress save at each turn of the thread
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    index_dir = str(tmp_path / "index")
+    names = sorted(n for n in os.listdir(index_dir) if n.isdigit())
+    real_stat = os.stat
+
+    def failing_disk(path, *args, **kw):
+        if isinstance(path, str) and os.path.dirname(path) == index_dir and os.path.basename(path).isdigit():
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real_stat(path, *args, **kw)
+    monkeypatch.setattr(os, "stat", failing_disk)
+    with caplog.at_level(logging.WARNING, logger="txmq.index"):
+        lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost0"}))]
+        for _ in range(4):          # turns of the index thread: saves, resumes
+            await svc.query("T", "x", 1, 0, 1)
+    monkeypatch.setattr(os, "stat", real_stat)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("removed under the running broker" in m for m in said), said
+    assert set(names) <= set(os.listdir(index_dir))      # none removed
+    assert sum("indexing stops here" in m and "Input/output error" in m for m in said) == 1, said
+    await _found_after_the_resume(svc, store, lost)
+
+
+@bounded(20)
 async def test_index_files_removed_while_stopped_with_the_progress_left_are_rebuilt(tmp_path):
     """The index files removed while the broker was stopped, ``progress`` left (``rm index/2*``): the start found no
     file, took the progress, and indexed nothing before it -- every key stored until then not found, for good."""
