@@ -310,10 +310,8 @@ class IndexService:
             except (IndexCorrupt, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno in _NOT_THE_FILE:
                     # The process's or the file system's, not the file's: removed and rebuilt for it, the index
-                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume's
-                    # queries search the files opened so far: said searched to where they end, not past.
-                    ends = [f.end_phy for f in self.files if f.count > 1]
-                    self.covered = max(log_min, min(ends[-1], log_end)) if ends else log_min
+                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume keeps
+                    # the files it had open, searched as far as before (_resume).
                     raise
                 self._drop_damaged(names[i:], str(exc))
                 break
@@ -436,20 +434,30 @@ class IndexService:
         caught up from where they end to the last record dispatched, in slices, as at start-up. Failing again
         (the disk still full), it is tried again an interval later, without another word."""
         self._failed_at = time.monotonic()
-        for f in self.files:
-            f.close()
+        # The files open are closed once they are read back, not before: closed first, a resume that could not open
+        # them (a file system turned read-only, EROFS at O_RDWR; out of descriptors) left none, and every query by
+        # key answered nothing for as long as that lasted. Failing, they go on answering, searched as far as before.
+        kept, covered = self.files, self.covered
         self.files = []
         self._skip, self._skip_hashes = -1, set()
-        if self._removed_under:
-            # Files removed under the running broker: the ones made since begin past what they held. Started from
-            # the newest's end, the resume indexed none of the records before it again.
-            for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else []):
-                if _NAME.match(name) or name.startswith(PROGRESS_FILE):
-                    os.unlink(os.path.join(self.directory, name))
-            self._removed_under = False
-            log.warning("index: rebuilding the message index from the commit log (offset %d): its files were removed "
-                        "under the running broker", self._log_min)
-        self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
+        try:
+            if self._removed_under:
+                # Files removed under the running broker: the ones made since begin past what they held. Started
+                # from the newest's end, the resume indexed none of the records before it again.
+                for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else []):
+                    if _NAME.match(name) or name.startswith(PROGRESS_FILE):
+                        os.unlink(os.path.join(self.directory, name))
+                self._removed_under = False
+                log.warning("index: rebuilding the message index from the commit log (offset %d): its files were "
+                            "removed under the running broker", self._log_min)
+            self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
+        except BaseException:
+            for f in self.files:
+                f.close()
+            self.files, self.covered = kept, covered
+            raise
+        for f in kept:
+            f.close()
         self.failed = None
         self._catching_up = True
         end = self._seen_end
