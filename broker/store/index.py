@@ -335,14 +335,18 @@ class IndexService:
 
     def _drop_damaged(self, names: list[str], why: str) -> None:
         prev = self.files[-1].end_phy if self.files else 0
-        log.error("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit "
-                  "log from offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1
-                  else "", prev)
+        # Once a failure run, as its write errors: a file a resume could not remove (a file system turned read-only)
+        # was found again at every attempt, two ERRORs each 10 s for as long as the disk stayed so.
+        kind = ("damaged", names[0])
+        say = log.error if not (self._failing and kind in self._said_kinds) else log.debug
+        self._said_kinds.add(kind)
+        say("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit log from "
+            "offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1 else "", prev)
         for name in names:
             try:
                 os.unlink(os.path.join(self.directory, name))
             except OSError as exc:
-                log.error("could not remove index file %s: %s", name, exc)
+                say("could not remove index file %s: %s", name, exc)
         self.rebuilt = list(names)
 
     def _read_progress(self) -> int:

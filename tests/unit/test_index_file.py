@@ -470,6 +470,48 @@ async def test_a_resume_on_a_file_system_turned_read_only_keeps_answering_from_t
 
 
 @bounded(20)
+async def test_a_damaged_index_file_a_read_only_file_system_keeps_is_said_once(tmp_path, monkeypatch, caplog):
+    """A resume on a file system turned read-only that found an index file damaged: "is damaged: removing it" and
+    "could not remove index file" (EROFS) at ERROR, then the catch-up's write refused again -- and the next resume
+    found the same file, said both again: two ERRORs every 10 s for as long as the disk stayed read-only. Said once
+    a failure run, as the write errors are."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=4)       # (a new file every 3 entries)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    damaged = svc.files[-1].path
+    real_open, real_unlink = IndexFile.open, os.unlink
+
+    def read_only(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def opened(path, *args, **kw):
+        if path == damaged:
+            raise IndexCorrupt("header cut short")
+        return real_open(path, *args, **kw)
+
+    def unlink(path, *args, **kw):
+        if os.path.dirname(str(path)) == str(tmp_path / "index"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_unlink(path, *args, **kw)
+    monkeypatch.setattr(IndexFile, "put_many", read_only)
+    monkeypatch.setattr(IndexFile, "create", read_only)
+    monkeypatch.setattr(IndexFile, "open", opened)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+        for _ in range(6):          # each query a turn of the index thread: resumes, their catch-ups refused
+            await svc.query("T", "x", 1, 0, 1)
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    said = [r.getMessage() for r in caplog.records]
+    assert svc.stopped and os.path.exists(damaged)
+    assert sum("is damaged" in m for m in said) == 1, said
+    assert sum("could not remove index file" in m for m in said) == 1, said
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
 async def test_an_index_file_not_opened_for_lack_of_descriptors_is_not_taken_for_damaged(tmp_path, monkeypatch):
     """An index file a start (or a resume) could not open because the process was out of descriptors (EMFILE) was
     taken for damaged: removed with every newer file, ERROR "is damaged", all of it rebuilt from the log. The error
