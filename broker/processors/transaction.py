@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
+from collections import Counter
 from functools import partial
 
 from protocol.codes import ResponseCode
@@ -18,7 +20,7 @@ from protocol.message import decode_offset_msg_id, decode_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 
 from ..answer import Answer
-from ..retention import PlanRefused
+from ..retention import PlanRefused, applied_counts, applied_line
 from ..transaction import DecisionError
 from ..transaction.core import UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
@@ -221,6 +223,18 @@ async def _resume(ctx, conn, cmd, off: int, owner: str | None = None):
     return cmd.response(ResponseCode.SUCCESS, remark)
 
 
+# What the parts of a plan applied on a connection (`admin apply-expiry` sends a big plan in parts, on one) did so far.
+_PLAN_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _part_of(plan) -> tuple[int, int] | None:
+    """(part, parts) when ``plan`` says it is a part of a plan sent in several (the admin's "part" and "parts")."""
+    part, parts = (plan.get("part"), plan.get("parts")) if isinstance(plan, dict) else (None, None)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (part, parts)) and 1 <= part <= parts and parts > 1:
+        return part, parts
+    return None
+
+
 async def apply_expiry(ctx, conn, cmd):
     try:
         plan = json.loads(cmd.body_bytes())
@@ -228,11 +242,26 @@ async def apply_expiry(ctx, conn, cmd):
         raise HeaderError(f"expiry plan does not parse: {exc}") from None
     n_halves = len(plan.get("halves") or []) if isinstance(plan, dict) else 0
     n_segments = len(plan.get("segments") or []) if isinstance(plan, dict) else 0
-    log.warning("admin %s:%s applies an expiry plan: %d halves, %d segments", conn.peer[0], conn.peer[1],
-                n_halves, n_segments)
+    # A plan in parts is said at its first part and its last (with every part's totals), not twice a part: 10,000
+    # parts (10M halves) were 20,000 WARNINGs.
+    part = _part_of(plan)
+    if part is None or part[0] == 1:
+        log.warning("admin %s:%s applies an expiry plan%s: %d halves, %d segments", conn.peer[0], conn.peer[1],
+                    f" in {part[1]} parts (the first)" if part else "", n_halves, n_segments)
     try:
-        summary = await ctx.retention.apply_plan(plan)
+        summary = await ctx.retention.apply_plan(plan, say=part is None)
     except PlanRefused as exc:
+        _PLAN_PARTS.pop(conn, None)
         log.warning("expiry plan from %s:%s refused, nothing changed: %s", conn.peer[0], conn.peer[1], exc)
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"plan refused, nothing changed: {exc}")
+    if part is not None:
+        done = applied_counts(summary)
+        if part[0] > 1:
+            done += _PLAN_PARTS.get(conn, Counter())
+        if part[0] == part[1]:
+            _PLAN_PARTS.pop(conn, None)
+            log.warning("%s", applied_line(done, part[1]))
+        else:
+            _PLAN_PARTS[conn] = done
+            log.debug("expiry plan part %d of %d applied (so far: %s)", part[0], part[1], dict(done))
     return cmd.response(ResponseCode.SUCCESS, body=dumps(summary))

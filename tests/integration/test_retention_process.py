@@ -226,6 +226,12 @@ async def test_a_plan_over_a_frame_is_applied_in_parts_its_halves_first(broker_f
     assert {s["why"] for s in reply["skipped"]} == {"already decided or unknown"}
     assert reply["segments_removed"] == [s["name"] for s in plan["segments"]] and reply["segments_kept"] == []
     assert "applied 92 of 92 parts: 1 halves expired, 90000 skipped" in out.stderr
+    # Said at its first part and its last, with every part's totals: not twice a part (184 WARNINGs).
+    log = b.log_path.read_text()
+    assert log.count("applies an expiry plan") == 1 and "applies an expiry plan in 92 parts (the first)" in log
+    assert log.count("expiry plan applied") == 1
+    assert (f"expiry plan applied in 92 parts: 1 halves expired, 90000 skipped (0 still undecided: not dead-lettered)"
+            f", {len(plan['segments'])} segments removed, 0 kept, 0 gone before") in log
     async with PullConsumer(b.namesrv, "CG_dead") as dl:
         (mq,) = await dl.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
         letters = (await dl.pull(mq, 0, max_nums=8)).messages
