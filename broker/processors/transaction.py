@@ -245,6 +245,8 @@ async def apply_expiry(ctx, conn, cmd):
     # A plan in parts is said at its first part and its last (with every part's totals), not twice a part: 10,000
     # parts (10M halves) were 20,000 WARNINGs.
     part = _part_of(plan)
+    if part is not None and part[0] > 1 and conn not in _PLAN_PARTS:
+        part = None         # (no first part applied on this connection: said as a plan of its own, both lines)
     if part is None or part[0] == 1:
         log.warning("admin %s:%s applies an expiry plan%s: %d halves, %d segments", conn.peer[0], conn.peer[1],
                     f" in {part[1]} parts (the first)" if part else "", n_halves, n_segments)

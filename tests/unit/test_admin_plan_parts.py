@@ -337,3 +337,50 @@ def test_a_big_plan_sent_whole_to_a_broker_is_its_parts_in_order(tmp_path, monke
     assert bodies == [{**p, "part": n, "parts": 16} for n, p in enumerate(admin.plan_parts(plan), 1)]
     assert all(len(json.dumps(p).encode()) <= admin.PART_BYTES for p in bodies)
     assert json.loads(out)["expired"] == [h["commit_log_offset"] for h in plan["halves"]]
+
+
+async def test_the_broker_says_a_plan_in_parts_at_its_first_part_and_its_last_with_the_totals(caplog):
+    """Two WARNINGs a part were 20,000 for a plan of 10M halves. A part with no first part before it on its connection
+    (an admin's own sequence, or a client's) is said as a plan of its own: applying halves is never said at DEBUG
+    alone."""
+    import logging
+    from types import SimpleNamespace
+
+    from broker.processors.transaction import apply_expiry
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    class Retention:
+        async def apply_plan(self, plan, *, say=True):
+            self.said = say
+            return {"expired": [h["commit_log_offset"] for h in plan["halves"]], "skipped": [{"undecided": True}],
+                    "segments_removed": [s["name"] for s in plan["segments"]], "segments_kept": [],
+                    "segments_gone": []}
+
+    class Conn:
+        peer = ("127.0.0.1", 5000)
+
+    ctx = SimpleNamespace(retention=Retention())
+    parts = [{**p, "part": n, "parts": 4} for n, p in enumerate(plan_parts(_plan(5), 2), 1)]
+
+    async def send(conn, part):
+        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
+        assert (await apply_expiry(ctx, conn, cmd)).code == ResponseCode.SUCCESS
+
+    def said():
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        caplog.clear()
+        return lines
+
+    caplog.set_level(logging.DEBUG, "txmq")
+    conn = Conn()
+    for part in parts:
+        await send(conn, part)
+    assert said() == ["admin 127.0.0.1:5000 applies an expiry plan in 4 parts (the first): 2 halves, 0 segments",
+                      "expiry plan applied in 4 parts: 5 halves expired, 4 skipped (4 still undecided: not "
+                      "dead-lettered), 1 segments removed, 0 kept, 0 gone before"]
+    other = Conn()
+    await send(other, parts[2])                 # no first part on this connection
+    assert said() == ["admin 127.0.0.1:5000 applies an expiry plan: 1 halves, 0 segments"] and ctx.retention.said
+    await send(other, parts[3])
+    assert said() == ["admin 127.0.0.1:5000 applies an expiry plan: 0 halves, 1 segments"] and ctx.retention.said
