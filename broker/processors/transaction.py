@@ -223,8 +223,17 @@ async def _resume(ctx, conn, cmd, off: int, owner: str | None = None):
     return cmd.response(ResponseCode.SUCCESS, remark)
 
 
-# What the parts of a plan applied on a connection (`admin apply-expiry` sends a big plan in parts, on one) did so far.
+class _PlanInParts:
+    """A plan in parts being applied on a connection: how many parts, the next one expected, what those applied did."""
+
+    def __init__(self, parts: int, done: Counter):
+        self.parts, self.next, self.done = parts, 2, done
+
+
+# The plan in parts each connection is applying (`admin apply-expiry` sends a big plan in parts, on one): one at most a
+# connection, gone with it. Its watcher says what a plan cut short applied when the connection closes.
 _PLAN_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAN_WATCHERS: dict = {}
 
 
 def _part_of(plan) -> tuple[int, int] | None:
@@ -235,6 +244,39 @@ def _part_of(plan) -> tuple[int, int] | None:
     return None
 
 
+def _in_place(conn, part: tuple[int, int]) -> bool:
+    """Whether ``part`` is the next one of the plan in parts applied on ``conn`` (or a first part)."""
+    now = _PLAN_PARTS.get(conn)
+    return part[0] == 1 or (now is not None and (now.next, now.parts) == part)
+
+
+def _cut_short(conn, why: str) -> None:
+    """Say (WARNING) what the parts of a plan applied on ``conn`` did, when its last part will not come."""
+    now = _PLAN_PARTS.pop(conn, None)
+    if now is not None:
+        log.warning("expiry plan from %s:%s cut short: %d of %d parts applied, then %s: %s", conn.peer[0],
+                    conn.peer[1], now.next - 1, now.parts, why,
+                    applied_line(now.done).split(": ", 1)[1])
+
+
+async def _watch(conn) -> None:
+    try:
+        await conn.closed.wait()
+        _cut_short(conn, "the connection closed")
+    finally:
+        _PLAN_WATCHERS.pop(conn, None)
+
+
+def _begin(conn, parts: int, done: Counter) -> None:
+    _cut_short(conn, "a new plan began on the connection")     # (one begun while this first part was applied)
+    _PLAN_PARTS[conn] = _PlanInParts(parts, done)
+    closed = getattr(conn, "closed", None)
+    if closed is not None and closed.is_set():
+        _cut_short(conn, "the connection closed")
+    elif closed is not None and conn not in _PLAN_WATCHERS:
+        _PLAN_WATCHERS[conn] = asyncio.get_running_loop().create_task(_watch(conn))
+
+
 async def apply_expiry(ctx, conn, cmd):
     try:
         plan = json.loads(cmd.body_bytes())
@@ -243,27 +285,38 @@ async def apply_expiry(ctx, conn, cmd):
     n_halves = len(plan.get("halves") or []) if isinstance(plan, dict) else 0
     n_segments = len(plan.get("segments") or []) if isinstance(plan, dict) else 0
     # A plan in parts is said at its first part and its last (with every part's totals), not twice a part: 10,000
-    # parts (10M halves) were 20,000 WARNINGs.
+    # parts (10M halves) were 20,000 WARNINGs. One cut short (the connection closed, a part refused, a new plan begun)
+    # is said with what its parts did; a part out of its place (no first part before it on this connection, or not
+    # the next) is said as a plan of its own.
     part = _part_of(plan)
-    if part is not None and part[0] > 1 and conn not in _PLAN_PARTS:
-        part = None         # (no first part applied on this connection: said as a plan of its own, both lines)
+    if part is not None and not _in_place(conn, part):
+        part = None
+    if part is not None and part[0] == 1:
+        _cut_short(conn, "a new plan began on the connection")
     if part is None or part[0] == 1:
         log.warning("admin %s:%s applies an expiry plan%s: %d halves, %d segments", conn.peer[0], conn.peer[1],
                     f" in {part[1]} parts (the first)" if part else "", n_halves, n_segments)
     try:
         summary = await ctx.retention.apply_plan(plan, say=part is None)
     except PlanRefused as exc:
-        _PLAN_PARTS.pop(conn, None)
+        if part is not None:
+            _cut_short(conn, f"part {part[0]} was refused")
         log.warning("expiry plan from %s:%s refused, nothing changed: %s", conn.peer[0], conn.peer[1], exc)
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"plan refused, nothing changed: {exc}")
     if part is not None:
         done = applied_counts(summary)
-        if part[0] > 1:
-            done += _PLAN_PARTS.get(conn, Counter())
-        if part[0] == part[1]:
-            _PLAN_PARTS.pop(conn, None)
-            log.warning("%s", applied_line(done, part[1]))
+        if part[0] == 1:
+            _begin(conn, part[1], done)
+        elif not _in_place(conn, part):         # (the plan was cut short while this part was applied)
+            log.warning("expiry plan part %d of %d applied, its plan cut short before it: %s", part[0], part[1],
+                        applied_line(done).split(": ", 1)[1])
         else:
-            _PLAN_PARTS[conn] = done
-            log.debug("expiry plan part %d of %d applied (so far: %s)", part[0], part[1], dict(done))
+            now = _PLAN_PARTS[conn]
+            now.done += done
+            now.next += 1
+            if part[0] == part[1]:
+                _PLAN_PARTS.pop(conn, None)
+                log.warning("%s", applied_line(now.done, part[1]))
+            else:
+                log.debug("expiry plan part %d of %d applied (so far: %s)", part[0], part[1], dict(now.done))
     return cmd.response(ResponseCode.SUCCESS, body=dumps(summary))

@@ -384,3 +384,113 @@ async def test_the_broker_says_a_plan_in_parts_at_its_first_part_and_its_last_wi
     assert said() == ["admin 127.0.0.1:5000 applies an expiry plan: 1 halves, 0 segments"] and ctx.retention.said
     await send(other, parts[3])
     assert said() == ["admin 127.0.0.1:5000 applies an expiry plan: 0 halves, 1 segments"] and ctx.retention.said
+
+
+async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(caplog):
+    """The parts between a plan's first and its last were said at DEBUG alone: a plan whose admin died (or whose
+    connection dropped) after 50 of 92 parts, a part refused midway, a new plan begun on the connection before the
+    last part, or parts that come out of order (pipelined, or its last before the one before it) left what those
+    parts applied (halves expired, dead letters written) in no WARNING at all."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from broker.processors import transaction as tp
+    from broker.retention import PlanRefused
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    class Retention:
+        refuse = False
+
+        gate = None
+
+        async def apply_plan(self, plan, *, say=True):
+            if self.refuse:
+                raise PlanRefused("store_id is another store's")
+            if self.gate is not None:
+                self.entered.set()
+                await self.gate.wait()
+            self.said = say
+            return {"expired": [h["commit_log_offset"] for h in plan["halves"]], "skipped": [],
+                    "segments_removed": [s["name"] for s in plan["segments"]], "segments_kept": [],
+                    "segments_gone": []}
+
+    class Conn:
+        peer = ("127.0.0.1", 5001)
+
+        def __init__(self):
+            self.closed = asyncio.Event()
+
+    ctx = SimpleNamespace(retention=Retention())
+    parts = [{**p, "part": n, "parts": 4} for n, p in enumerate(plan_parts(_plan(5), 2), 1)]
+
+    async def send(conn, part, code=ResponseCode.SUCCESS):
+        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
+        assert (await tp.apply_expiry(ctx, conn, cmd)).code == code
+
+    def said():
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        caplog.clear()
+        return lines
+
+    caplog.set_level(logging.DEBUG, "txmq")
+    # the connection closes after 2 of 4 parts
+    conn = Conn()
+    await send(conn, parts[0])
+    await send(conn, parts[1])
+    said()
+    conn.closed.set()
+    await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 2 of 4 parts applied, then the connection closed: "
+                      "4 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
+                      "0 gone before"]
+    assert conn not in tp._PLAN_PARTS and conn not in tp._PLAN_WATCHERS
+    # a part refused midway
+    conn = Conn()
+    await send(conn, parts[0])
+    said()
+    ctx.retention.refuse = True
+    await send(conn, parts[1], ResponseCode.SYSTEM_ERROR)
+    ctx.retention.refuse = False
+    assert said()[:1] == ["expiry plan from 127.0.0.1:5001 cut short: 1 of 4 parts applied, then part 2 was refused: "
+                          "2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, "
+                          "0 kept, 0 gone before"]
+    # a new plan begun before the last part of the one before
+    await send(conn, parts[0])
+    await send(conn, parts[1])
+    said()
+    await send(conn, parts[0])
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 2 of 4 parts applied, then a new plan began on the "
+                      "connection: 4 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments "
+                      "removed, 0 kept, 0 gone before",
+                      "admin 127.0.0.1:5001 applies an expiry plan in 4 parts (the first): 2 halves, 0 segments"]
+    # a part out of its place (its last before the one before it) is said as a plan of its own; the others still
+    # add up, said when the connection closes
+    await send(conn, parts[1])
+    await send(conn, parts[3])
+    await send(conn, parts[2])
+    assert said() == ["admin 127.0.0.1:5001 applies an expiry plan: 0 halves, 1 segments"]
+    assert ctx.retention.said is False          # (part 3's; part 4's said by apply_plan itself)
+    conn.closed.set()
+    await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 3 of 4 parts applied, then the connection closed: "
+                      "5 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
+                      "0 gone before"]
+    # the connection closes while a part is applied: the parts before said at once, that part when it is done
+    conn = Conn()
+    await send(conn, parts[0])
+    said()
+    ctx.retention.gate, ctx.retention.entered = asyncio.Event(), asyncio.Event()
+    second = asyncio.ensure_future(send(conn, parts[1]))
+    await asyncio.wait_for(ctx.retention.entered.wait(), 5)
+    conn.closed.set()
+    await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 1 of 4 parts applied, then the connection closed: "
+                      "2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
+                      "0 gone before"]
+    ctx.retention.gate.set()
+    await asyncio.wait_for(second, 5)
+    assert said() == ["expiry plan part 2 of 4 applied, its plan cut short before it: 2 halves expired, 0 skipped (0 "
+                      "still undecided: not dead-lettered), 0 segments removed, 0 kept, 0 gone before"]
+    assert not tp._PLAN_PARTS and not tp._PLAN_WATCHERS
