@@ -14,6 +14,30 @@ def _plan(n_halves: int) -> dict:
             "segments": [{"name": "0" * 20}], "report": {"segments": 1}}
 
 
+def _parts_of_4() -> list[dict]:
+    """A plan of 5 halves in 4 parts, each with its place as the admin sends it."""
+    return [{**p, "part": n, "parts": 4} for n, p in enumerate(plan_parts(_plan(5), 2), 1)]
+
+
+async def _send_part(ctx, conn, part, code=None):
+    """TXMQ_APPLY_EXPIRY of ``part`` on ``conn``, to the broker's processor; its reply must be ``code`` (SUCCESS)."""
+    from broker.processors.transaction import apply_expiry
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
+    assert (await apply_expiry(ctx, conn, cmd)).code == (ResponseCode.SUCCESS if code is None else code)
+
+
+def _warned(caplog) -> list[str]:
+    """The WARNING (and worse) lines said since the last call."""
+    import logging
+
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    return lines
+
+
 def test_a_plan_within_a_slice_is_sent_as_it_is():
     plan = _plan(3)
     assert plan_parts(plan, 3) == [plan]
@@ -346,10 +370,6 @@ async def test_the_broker_says_a_plan_in_parts_at_its_first_part_and_its_last_wi
     import logging
     from types import SimpleNamespace
 
-    from broker.processors.transaction import apply_expiry
-    from protocol.codes import RequestCode, ResponseCode
-    from protocol.command import RemotingCommand
-
     class Retention:
         async def apply_plan(self, plan, *, say=True):
             self.said = say
@@ -361,16 +381,13 @@ async def test_the_broker_says_a_plan_in_parts_at_its_first_part_and_its_last_wi
         peer = ("127.0.0.1", 5000)
 
     ctx = SimpleNamespace(retention=Retention())
-    parts = [{**p, "part": n, "parts": 4} for n, p in enumerate(plan_parts(_plan(5), 2), 1)]
+    parts = _parts_of_4()
 
     async def send(conn, part):
-        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
-        assert (await apply_expiry(ctx, conn, cmd)).code == ResponseCode.SUCCESS
+        await _send_part(ctx, conn, part)
 
     def said():
-        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        caplog.clear()
-        return lines
+        return _warned(caplog)
 
     caplog.set_level(logging.DEBUG, "txmq")
     conn = Conn()
@@ -397,8 +414,7 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
 
     from broker.processors import transaction as tp
     from broker.retention import PlanRefused
-    from protocol.codes import RequestCode, ResponseCode
-    from protocol.command import RemotingCommand
+    from protocol.codes import ResponseCode
 
     class Retention:
         refuse = False
@@ -423,16 +439,13 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
             self.closed = asyncio.Event()
 
     ctx = SimpleNamespace(retention=Retention())
-    parts = [{**p, "part": n, "parts": 4} for n, p in enumerate(plan_parts(_plan(5), 2), 1)]
+    parts = _parts_of_4()
 
-    async def send(conn, part, code=ResponseCode.SUCCESS):
-        cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
-        assert (await tp.apply_expiry(ctx, conn, cmd)).code == code
+    async def send(conn, part, code=None):
+        await _send_part(ctx, conn, part, code)
 
     def said():
-        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        caplog.clear()
-        return lines
+        return _warned(caplog)
 
     caplog.set_level(logging.DEBUG, "txmq")
     # the connection closes after 2 of 4 parts
