@@ -283,3 +283,26 @@ def test_a_plan_bigger_than_what_the_driver_takes_at_once_is_written_a_partition
     plan = validate_plan(path)
     assert [(h["commit_log_offset"], h["uniq_key"]) for h in plan["halves"]] == [
         (h.offset, h.props["UNIQ_KEY"]) for h in halves]
+
+
+@pytest.mark.parametrize("n", [0, 500, 501])
+def test_no_halves_a_partition_of_them_and_one_over_are_each_written_whole_and_in_order(spark, tmp_path, monkeypatch,
+                                                                                      n):
+    """The halves written a partition at a time: none (one empty partition), exactly a partition, one over (two)."""
+    import ops.spark.expiry as expiry
+    from protocol.message import Prop
+    from protocol.txlog import HALF_TOPIC
+
+    monkeypatch.setattr(expiry, "HALVES_A_PARTITION", 500)
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=1 << 20) as b:
+        b.at(NOW - 80 * H)
+        halves = b.put_many([(HALF_TOPIC, b"tx", 0, {Prop.TRAN_MSG: "true", Prop.PGROUP: "pg", Prop.UNIQ_KEY: f"{i:032X}",
+                                                     Prop.REAL_TOPIC: "Pay", Prop.REAL_QID: "0"}, 0, 0)
+                              for i in range(n)])
+        b.at(NOW - H).send("Orders")
+    path = str(tmp_path / "plan.json")
+    assert expiry.run_expiry(spark, d, path, now_ms=NOW)["halves_listed"] == n
+    assert [h["commit_log_offset"] for h in validate_plan(path)["halves"]] == [h.offset for h in halves]
+    with open(path) as f:
+        assert json.load(f)["halves"] == validate_plan(path)["halves"]
