@@ -130,10 +130,14 @@ def applied_counts(summary: dict) -> Counter:
                    gone=len(summary["segments_gone"]))
 
 
+def applied_totals(n: Counter) -> str:
+    """applied_counts said: "N halves expired, N skipped (...), N segments removed, N kept, N gone before"."""
+    return (f"{n['expired']} halves expired, {n['skipped']} skipped ({n['undecided']} still undecided: not "
+            f"dead-lettered), {n['removed']} segments removed, {n['kept']} kept, {n['gone']} gone before")
+
+
 def applied_line(n: Counter, parts: int = 1) -> str:
-    return (f"expiry plan applied{f' in {parts} parts' if parts > 1 else ''}: {n['expired']} halves expired, "
-            f"{n['skipped']} skipped ({n['undecided']} still undecided: not dead-lettered), {n['removed']} segments "
-            f"removed, {n['kept']} kept, {n['gone']} gone before")
+    return f"expiry plan applied{f' in {parts} parts' if parts > 1 else ''}: {applied_totals(n)}"
 
 
 class Retention:

@@ -20,7 +20,7 @@ from protocol.message import decode_offset_msg_id, decode_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 
 from ..answer import Answer
-from ..retention import PlanRefused, applied_counts, applied_line
+from ..retention import PlanRefused, applied_counts, applied_line, applied_totals
 from ..transaction import DecisionError
 from ..transaction.core import UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
@@ -254,9 +254,9 @@ def _cut_short(conn, why: str) -> None:
     """Say (WARNING) what the parts of a plan applied on ``conn`` did, when its last part will not come."""
     now = _PLAN_PARTS.pop(conn, None)
     if now is not None:
-        log.warning("expiry plan from %s:%s cut short: %d of %d parts applied, then %s: %s", conn.peer[0],
-                    conn.peer[1], now.next - 1, now.parts, why,
-                    applied_line(now.done).split(": ", 1)[1])
+        log.warning("expiry plan from %s:%s cut short: %d of %d parts applied, then %s: %s; apply the plan again to "
+                    "finish it (what was done is skipped)", conn.peer[0], conn.peer[1], now.next - 1, now.parts, why,
+                    applied_totals(now.done))
 
 
 async def _watch(conn) -> None:
@@ -309,7 +309,7 @@ async def apply_expiry(ctx, conn, cmd):
             _begin(conn, part[1], done)
         elif not _in_place(conn, part):         # (the plan was cut short while this part was applied)
             log.warning("expiry plan part %d of %d applied, its plan cut short before it: %s", part[0], part[1],
-                        applied_line(done).split(": ", 1)[1])
+                        applied_totals(done))
         else:
             now = _PLAN_PARTS[conn]
             now.done += done

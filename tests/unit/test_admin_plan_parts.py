@@ -457,7 +457,7 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
     await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
     assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 2 of 4 parts applied, then the connection closed: "
                       "4 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
-                      "0 gone before"]
+                      "0 gone before; apply the plan again to finish it (what was done is skipped)"]
     assert conn not in tp._PLAN_PARTS and conn not in tp._PLAN_WATCHERS
     # a part refused midway
     conn = Conn()
@@ -468,7 +468,7 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
     ctx.retention.refuse = False
     assert said()[:1] == ["expiry plan from 127.0.0.1:5001 cut short: 1 of 4 parts applied, then part 2 was refused: "
                           "2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, "
-                          "0 kept, 0 gone before"]
+                          "0 kept, 0 gone before; apply the plan again to finish it (what was done is skipped)"]
     # a new plan begun before the last part of the one before
     await send(conn, parts[0])
     await send(conn, parts[1])
@@ -476,7 +476,7 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
     await send(conn, parts[0])
     assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 2 of 4 parts applied, then a new plan began on the "
                       "connection: 4 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments "
-                      "removed, 0 kept, 0 gone before",
+                      "removed, 0 kept, 0 gone before; apply the plan again to finish it (what was done is skipped)",
                       "admin 127.0.0.1:5001 applies an expiry plan in 4 parts (the first): 2 halves, 0 segments"]
     # a part out of its place (its last before the one before it) is said as a plan of its own; the others still
     # add up, said when the connection closes
@@ -489,7 +489,7 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
     await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
     assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 3 of 4 parts applied, then the connection closed: "
                       "5 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
-                      "0 gone before"]
+                      "0 gone before; apply the plan again to finish it (what was done is skipped)"]
     # the connection closes while a part is applied: the parts before said at once, that part when it is done
     conn = Conn()
     await send(conn, parts[0])
@@ -501,7 +501,7 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
     await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
     assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 1 of 4 parts applied, then the connection closed: "
                       "2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
-                      "0 gone before"]
+                      "0 gone before; apply the plan again to finish it (what was done is skipped)"]
     ctx.retention.gate.set()
     await asyncio.wait_for(second, 5)
     assert said() == ["expiry plan part 2 of 4 applied, its plan cut short before it: 2 halves expired, 0 skipped (0 "
