@@ -92,7 +92,9 @@ def _part_header(plan: dict) -> tuple[dict, int]:
     header = {k: v for k, v in plan.items() if k not in ("halves", "segments", "report")}
     # Bounded in bytes too: a half carries its producer's uniq_key, group and topic (up to 32,767 bytes of
     # properties, six JSON bytes a character not in ASCII), so 1,000 of them were up to 196 MB, never sent.
-    return header, PART_BYTES - len(json.dumps({**header, "halves": [], "segments": []}).encode())
+    # (and room for the "part" and "parts" each part is sent with)
+    return header, PART_BYTES - len(json.dumps({**header, "halves": [], "segments": [], "part": 10**12,
+                                                "parts": 10**12}).encode())
 
 
 class _FileParts:
@@ -145,6 +147,8 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
                         "not sent" if n > 1 else "no part was sent")
                 return merged, (f"plan changed while it was sent, stopped: {part}; {done}; applying the plan again is "
                                 "safe, what was done is skipped")
+            if len(parts) > 1:      # (the broker says the plan at its first part and its last, not at each)
+                part = {**part, "part": n, "parts": len(parts)}
             cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
             try:
                 resp = await conn.request(cmd, timeout + HALF_S * _listed(part))

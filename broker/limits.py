@@ -391,12 +391,28 @@ class ConnectionGate:
         self._refused += 1
         now = self.monotonic()
         if now - self._logged_at >= _GATE_LOG_INTERVAL_S:
-            self.log.warning("%s: refusing %s:%s (past %s; %d connections open, %d from %s); %d refused since "
+            self.log.warning("%s: refusing %s:%s (past %s; %d connections open, %d from %s%s); %d refused since "
                              "the last such line (logged at most every %d s)", self.what, conn.peer[0], conn.peer[1], why,
-                             len(self.open), self._by_host.get(host, 0), host, self._refused,
+                             len(self.open), self._by_host.get(host, 0), host, self._holders(why), self._refused,
                              _GATE_LOG_INTERVAL_S)
             self._logged_at, self._refused = now, 0
         return why
+
+    def _holders(self, why: str) -> str:
+        """Past a limit of every address together, who holds the room: the refused one's own count named no one
+        when many addresses hold a few each (a local client may connect from any of 127.0.0.0/8)."""
+        if why == "max_connections_per_host":
+            return ""
+        gates = self._together if why == "open-files" else [self]
+        held: dict[str, int] = {}
+        for gate in gates:
+            for host, count in gate._by_host.items():
+                held[host] = held.get(host, 0) + count
+        top = heapq.nlargest(3, held.items(), key=lambda item: item[1])
+        raise_what = "ulimit -n (LimitNOFILE)" if why == "open-files" else "--max-connections"
+        return ("; the addresses holding the most: " + ", ".join(f"{host} ({count})" for host, count in top)
+                + f"; every new client is refused until some close: stop a client that leaks connections, or raise "
+                  f"{raise_what}")
 
     @staticmethod
     def share_descriptors(gates: list["ConnectionGate"], max_together: int) -> None:

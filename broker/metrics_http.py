@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import copy
 import gzip
+import io
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ from .limits import EveryKey
 CHUNK = 256                 # series of one family formatted in one encoder call
 SLICE_S = 0.002             # loop time the rendering takes before letting other work run
 RENDER_TIMEOUT_S = 30.0     # a page the loop has not finished in this long (stalled, or far too busy): 503, not a hang
-READ_TIMEOUT_S = 10.0       # a connection that has not sent its request (or taken the page) in this long is closed
+READ_TIMEOUT_S = 10.0       # a connection that has not sent its whole request (or taken the page) in this long is closed
 MAX_CONNECTIONS = 16        # connections served at once, a thread each; one more is answered 503 and closed
 _TOO_MANY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
              b"# metrics not rendered: too many connections to /metrics at once\n")
@@ -106,9 +107,38 @@ def _families(registry):
                 yield family
 
 
-def start_metrics_server(port: int, addr: str, registry, loop_of):
+class _TooSlow(TimeoutError):
+    """A request not whole by its deadline."""
+
+
+class _Deadline(io.RawIOBase):
+    """A socket's bytes, each recv waiting no later than ``deadline`` (time.monotonic())."""
+
+    def __init__(self, sock, deadline: float):
+        self.sock = sock
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _TooSlow("the request was not whole by its deadline")
+        if left != float("inf"):
+            self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        except TimeoutError:
+            if self.deadline - time.monotonic() <= 0:
+                raise _TooSlow("the request was not whole by its deadline") from None
+            raise
+
+
+def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
     """Serve ``registry`` on ``addr``:``port`` (0: any free port) from a daemon thread, rendered on the loop
-    ``loop_of()`` returns. Returns the server (its server_address; shutdown() and server_close() stop it)."""
+    ``loop_of()`` returns, after ``before()`` (what is read off the loop) on the thread. Returns the server (its
+    server_address; shutdown() and server_close() stop it)."""
     plain = make_wsgi_app(registry)         # OPTIONS, other methods and /favicon.ico: prometheus-client's answers
 
     def app(environ, start_response):
@@ -122,6 +152,8 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
         try:
             if loop is None:
                 raise RuntimeError("the broker is not running")
+            if before is not None:
+                before()
             rendering = asyncio.run_coroutine_threadsafe(render(encode, chosen), loop)
             try:
                 output = rendering.result(RENDER_TIMEOUT_S)
@@ -144,10 +176,30 @@ def start_metrics_server(port: int, addr: str, registry, loop_of):
 
     class _Handler(_SilentHandler):
         timeout = READ_TIMEOUT_S        # on the socket: a client that never sends is not waited for for ever
+        slow = EveryKey(60.0)           # hosts whose requests too slow to arrive were said this minute
+
+        def setup(self):
+            # The socket's timeout bounds one recv, not the request: a request line sent a byte every 9 s held a
+            # thread (one of MAX_CONNECTIONS) for as long as its sender liked. The request is read against one
+            # deadline; the page is written under the socket's timeout again (parse_request).
+            super().setup()
+            self.rfile.close()          # (the socket's makefile: left open, the socket were never really closed)
+            self.rfile = io.BufferedReader(_Deadline(self.connection, time.monotonic() + READ_TIMEOUT_S))
+
+        def parse_request(self):
+            whole = super().parse_request()
+            self.rfile.raw.deadline = float("inf")      # (no body is read: a GET's is ignored)
+            self.connection.settimeout(READ_TIMEOUT_S)
+            return whole
 
         def handle(self):
             try:
                 super().handle()
+            except _TooSlow:
+                if self.slow.due(self.client_address[0]):
+                    log.warning("a /metrics connection from %s closed: its request not sent whole within %.0f s "
+                                "(a client stalled or trickling its request; said once a minute a host)",
+                                self.client_address, READ_TIMEOUT_S)
             except OSError as exc:      # TimeoutError, a reset: the client's doing, not a traceback on stderr
                 log.debug("/metrics connection from %s dropped: %r", self.client_address, exc)
 

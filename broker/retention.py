@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 from protocol.errors import StoreError
 
@@ -121,6 +122,24 @@ def judge(seg: dict, facts, *, cutoff: int) -> str | None:
     return None
 
 
+def applied_counts(summary: dict) -> Counter:
+    """What an applied plan (or part) did, counted: added up over a plan's parts."""
+    return Counter(expired=len(summary["expired"]), skipped=len(summary["skipped"]),
+                   undecided=sum(1 for s in summary["skipped"] if s.get("undecided")),
+                   removed=len(summary["segments_removed"]), kept=len(summary["segments_kept"]),
+                   gone=len(summary["segments_gone"]))
+
+
+def applied_totals(n: Counter) -> str:
+    """applied_counts said: "N halves expired, N skipped (...), N segments removed, N kept, N gone before"."""
+    return (f"{n['expired']} halves expired, {n['skipped']} skipped ({n['undecided']} still undecided: not "
+            f"dead-lettered), {n['removed']} segments removed, {n['kept']} kept, {n['gone']} gone before")
+
+
+def applied_line(n: Counter, parts: int = 1) -> str:
+    return f"expiry plan applied{f' in {parts} parts' if parts > 1 else ''}: {applied_totals(n)}"
+
+
 class Retention:
     def __init__(self, ctx, usage=None):
         self.ctx = ctx
@@ -160,7 +179,9 @@ class Retention:
         return disk.ratio
 
     # ------------------------------------------------------------------ plans
-    async def apply_plan(self, plan: dict) -> dict:
+    async def apply_plan(self, plan: dict, *, say: bool = True) -> dict:
+        """Apply ``plan``; its summary said at WARNING (``say``) or left to the caller (a part of a plan: applied_line
+        of the parts' totals)."""
         ctx = self.ctx
         if ctx.config.broker_role == "SLAVE":
             # Its store refuses the dead letters (its master writes them) and its index is its start-up one:
@@ -194,11 +215,11 @@ class Retention:
                 kept.append({"name": name, "why": why})
                 log.warning("expiry plan: keeping segment %s: %s", name, why)
                 blocked = blocked or f"an older listed segment ({name}) is kept"
-        log.warning("expiry plan applied: %d halves expired, %d skipped (%d still undecided: not dead-lettered), %d "
-                    "segments removed, %d kept, %d gone before", len(expired), len(skipped),
-                    sum(1 for s in skipped if s.get("undecided")), len(removed), len(kept), len(gone))
-        return {"store_id": ctx.store.store_id, "now_ms": now, "cutoff_ms": cutoff, "expired": expired,
-                "skipped": skipped, "segments_removed": removed, "segments_kept": kept, "segments_gone": gone}
+        summary = {"store_id": ctx.store.store_id, "now_ms": now, "cutoff_ms": cutoff, "expired": expired,
+                   "skipped": skipped, "segments_removed": removed, "segments_kept": kept, "segments_gone": gone}
+        if say:
+            log.warning("%s", applied_line(applied_counts(summary)))
+        return summary
 
     def _went(self, seg: dict) -> bool:
         """Whether a listed segment the store no longer has lies wholly before its log start (removed already)."""

@@ -541,7 +541,8 @@ class BrokerServer:
         m.add_folded_collector()
         self._metrics_port = None
         if self.config.metrics_port >= 0:
-            httpd = start_metrics_server(self.config.metrics_port, self.config.host, m.registry, lambda: self._loop)
+            httpd = start_metrics_server(self.config.metrics_port, self.config.host, m.registry, lambda: self._loop,
+                                         m.process.refresh)
             self._metrics_httpd = httpd
             self._metrics_port = httpd.server_address[1]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
+from collections import Counter
 from functools import partial
 
 from protocol.codes import ResponseCode
@@ -18,7 +20,7 @@ from protocol.message import decode_offset_msg_id, decode_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 
 from ..answer import Answer
-from ..retention import PlanRefused
+from ..retention import PlanRefused, applied_counts, applied_line, applied_totals
 from ..transaction import DecisionError
 from ..transaction.core import UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
@@ -222,6 +224,60 @@ async def _resume(ctx, conn, cmd, off: int, owner: str | None = None):
     return cmd.response(ResponseCode.SUCCESS, remark)
 
 
+class _PlanInParts:
+    """A plan in parts being applied on a connection: how many parts, the next one expected, what those applied did."""
+
+    def __init__(self, parts: int, done: Counter):
+        self.parts, self.next, self.done = parts, 2, done
+
+
+# The plan in parts each connection is applying (`admin apply-expiry` sends a big plan in parts, on one): one at most a
+# connection, gone with it. Its watcher says what a plan cut short applied when the connection closes.
+_PLAN_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAN_WATCHERS: dict = {}
+
+
+def _part_of(plan) -> tuple[int, int] | None:
+    """(part, parts) when ``plan`` says it is a part of a plan sent in several (the admin's "part" and "parts")."""
+    part, parts = (plan.get("part"), plan.get("parts")) if isinstance(plan, dict) else (None, None)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (part, parts)) and 1 <= part <= parts and parts > 1:
+        return part, parts
+    return None
+
+
+def _in_place(conn, part: tuple[int, int]) -> bool:
+    """Whether ``part`` is the next one of the plan in parts applied on ``conn`` (or a first part)."""
+    now = _PLAN_PARTS.get(conn)
+    return part[0] == 1 or (now is not None and (now.next, now.parts) == part)
+
+
+def _cut_short(conn, why: str) -> None:
+    """Say (WARNING) what the parts of a plan applied on ``conn`` did, when its last part will not come."""
+    now = _PLAN_PARTS.pop(conn, None)
+    if now is not None:
+        log.warning("expiry plan from %s:%s cut short: %d of %d parts applied, then %s: %s; apply the plan again to "
+                    "finish it (what was done is skipped)", conn.peer[0], conn.peer[1], now.next - 1, now.parts, why,
+                    applied_totals(now.done))
+
+
+async def _watch(conn) -> None:
+    try:
+        await conn.closed.wait()
+        _cut_short(conn, "the connection closed")
+    finally:
+        _PLAN_WATCHERS.pop(conn, None)
+
+
+def _begin(conn, parts: int, done: Counter) -> None:
+    _cut_short(conn, "a new plan began on the connection")     # (one begun while this first part was applied)
+    _PLAN_PARTS[conn] = _PlanInParts(parts, done)
+    closed = getattr(conn, "closed", None)
+    if closed is not None and closed.is_set():
+        _cut_short(conn, "the connection closed")
+    elif closed is not None and conn not in _PLAN_WATCHERS:
+        _PLAN_WATCHERS[conn] = asyncio.get_running_loop().create_task(_watch(conn))
+
+
 async def apply_expiry(ctx, conn, cmd):
     try:
         plan = json.loads(cmd.body_bytes())
@@ -229,11 +285,39 @@ async def apply_expiry(ctx, conn, cmd):
         raise HeaderError(f"expiry plan does not parse: {exc}") from None
     n_halves = len(plan.get("halves") or []) if isinstance(plan, dict) else 0
     n_segments = len(plan.get("segments") or []) if isinstance(plan, dict) else 0
-    log.warning("admin %s:%s applies an expiry plan: %d halves, %d segments", conn.peer[0], conn.peer[1],
-                n_halves, n_segments)
+    # A plan in parts is said at its first part and its last (with every part's totals), not twice a part: 10,000
+    # parts (10M halves) were 20,000 WARNINGs. One cut short (the connection closed, a part refused, a new plan begun)
+    # is said with what its parts did; a part out of its place (no first part before it on this connection, or not
+    # the next) is said as a plan of its own.
+    part = _part_of(plan)
+    if part is not None and not _in_place(conn, part):
+        part = None
+    if part is not None and part[0] == 1:
+        _cut_short(conn, "a new plan began on the connection")
+    if part is None or part[0] == 1:
+        log.warning("admin %s:%s applies an expiry plan%s: %d halves, %d segments", conn.peer[0], conn.peer[1],
+                    f" in {part[1]} parts (the first)" if part else "", n_halves, n_segments)
     try:
-        summary = await ctx.retention.apply_plan(plan)
+        summary = await ctx.retention.apply_plan(plan, say=part is None)
     except PlanRefused as exc:
+        if part is not None:
+            _cut_short(conn, f"part {part[0]} was refused")
         log.warning("expiry plan from %s:%s refused, nothing changed: %s", conn.peer[0], conn.peer[1], exc)
         return cmd.response(ResponseCode.SYSTEM_ERROR, f"plan refused, nothing changed: {exc}")
+    if part is not None:
+        done = applied_counts(summary)
+        if part[0] == 1:
+            _begin(conn, part[1], done)
+        elif not _in_place(conn, part):         # (the plan was cut short while this part was applied)
+            log.warning("expiry plan part %d of %d applied, its plan cut short before it: %s", part[0], part[1],
+                        applied_totals(done))
+        else:
+            now = _PLAN_PARTS[conn]
+            now.done += done
+            now.next += 1
+            if part[0] == part[1]:
+                _PLAN_PARTS.pop(conn, None)
+                log.warning("%s", applied_line(now.done, part[1]))
+            else:
+                log.debug("expiry plan part %d of %d applied (so far: %s)", part[0], part[1], dict(now.done))
     return cmd.response(ResponseCode.SUCCESS, body=dumps(summary))

@@ -316,10 +316,8 @@ class IndexService:
             except (IndexCorrupt, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno in _NOT_THE_FILE:
                     # The process's or the file system's, not the file's: removed and rebuilt for it, the index
-                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume's
-                    # queries search the files opened so far: said searched to where they end, not past.
-                    ends = [f.end_phy for f in self.files if f.count > 1]
-                    self.covered = max(log_min, min(ends[-1], log_end)) if ends else log_min
+                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume keeps
+                    # the files it had open, searched as far as before (_resume).
                     raise
                 self._drop_damaged(names[i:], str(exc))
                 break
@@ -347,14 +345,18 @@ class IndexService:
 
     def _drop_damaged(self, names: list[str], why: str) -> None:
         prev = self.files[-1].end_phy if self.files else 0
-        log.error("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit "
-                  "log from offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1
-                  else "", prev)
+        # Once a failure run, as its write errors: a file a resume could not remove (a file system turned read-only)
+        # was found again at every attempt, two ERRORs each 10 s for as long as the disk stayed so.
+        kind = ("damaged", names[0])
+        say = log.error if not (self._failing and kind in self._said_kinds) else log.debug
+        self._said_kinds.add(kind)
+        say("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit log from "
+            "offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1 else "", prev)
         for name in names:
             try:
                 os.unlink(os.path.join(self.directory, name))
             except OSError as exc:
-                log.error("could not remove index file %s: %s", name, exc)
+                say("could not remove index file %s: %s", name, exc)
         self.rebuilt = list(names)
 
     def _read_progress(self) -> tuple[int, bool]:
@@ -452,21 +454,31 @@ class IndexService:
         caught up from where they end to the last record dispatched, in slices, as at start-up. Failing again
         (the disk still full), it is tried again an interval later, without another word."""
         self._failed_at = time.monotonic()
-        for f in self.files:
-            f.close()
+        # The files open are closed once they are read back, not before: closed first, a resume that could not open
+        # them (a file system turned read-only, EROFS at O_RDWR; out of descriptors) left none, and every query by
+        # key answered nothing for as long as that lasted. Failing, they go on answering, searched as far as before.
+        kept, covered = self.files, self.covered
         self.files = []
         self._queried.clear()
         self._skip, self._skip_hashes = -1, set()
-        if self._removed_under:
-            # Files removed under the running broker: the ones made since begin past what they held. Started from
-            # the newest's end, the resume indexed none of the records before it again.
-            for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else []):
-                if _NAME.match(name) or name.startswith(PROGRESS_FILE):
-                    os.unlink(os.path.join(self.directory, name))
-            self._removed_under = False
-            log.warning("index: rebuilding the message index from the commit log (offset %d): its files were removed "
-                        "under the running broker", self._log_min)
-        self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
+        try:
+            if self._removed_under:
+                # Files removed under the running broker: the ones made since begin past what they held. Started
+                # from the newest's end, the resume indexed none of the records before it again.
+                for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else []):
+                    if _NAME.match(name) or name.startswith(PROGRESS_FILE):
+                        os.unlink(os.path.join(self.directory, name))
+                self._removed_under = False
+                log.warning("index: rebuilding the message index from the commit log (offset %d): its files were "
+                            "removed under the running broker", self._log_min)
+            self._load(self._log_min, self._seen_end, quiet=True)     # (a line every interval of a full disk)
+        except BaseException:
+            for f in self.files:
+                f.close()
+            self.files, self.covered = kept, covered
+            raise
+        for f in kept:
+            f.close()
         self.failed = None
         self._catching_up = True
         end = self._seen_end
@@ -492,8 +504,10 @@ class IndexService:
         # ``rm index/*`` under a running broker (the directory kept): the entries went on into the unlinked files
         # and this save said them indexed, no error; the next start took the progress and rebuilt nothing before
         # it. An OSError: indexing stops and the resume rebuilds the index from the log. (A stat a file each save:
-        # a file per day or per 20M entries. By path, not st_nlink, which some file systems do not keep.)
-        gone = [f.name for f in self.files if not os.path.exists(f.path)]
+        # a file per day or per 20M entries. By path, not st_nlink, which some file systems do not keep. ENOENT only:
+        # os.path.exists, False for any error of stat, took a file a failing disk could not stat (EIO) for removed,
+        # and the resume unlinked every index file; that error is raised, tried again as any OSError.)
+        gone = [f.name for f in self.files if not _exists(f.path)]
         if gone:
             self._removed_under = True      # the resume rebuilds all of it: the files left start past a gap
             raise OSError(errno.ENOENT, f"{len(gone)} index file(s) ({gone[0]} ...) removed from {self.directory} "
@@ -884,6 +898,15 @@ def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> 
               "they take disk space until a later start loads them and removes them at a segment removal: fix the "
               "error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
               fut.exception())
+
+
+def _exists(path: str) -> bool:
+    """Whether ``path`` is there: False for ENOENT only (a file removed), any other error of stat raised."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _file_name(ms: int) -> str:

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
             plan = run_expiry(spark, stores[0], args.out, retention_hours=args.retention_hours,
                               now_ms=args.now_ms, **scan)
-            print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": len(plan["halves"]),
+            print(json.dumps({"plan": args.out, "store_id": plan["store_id"], "halves": plan["halves_listed"],
                               "segments": len(plan["segments"]), "report": plan["report"]}))
         return 0
     except (StoreError, ValueError, OSError, PublishError) as exc:    # OSError: a plan or report not written

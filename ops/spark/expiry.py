@@ -29,7 +29,7 @@ from protocol.txlog import HALF_TOPIC, OP_TOPIC
 
 from .load import DEFAULT_CHUNK_BYTES, scan_store
 from .manifest import read_store_id
-from .plan import PLAN_VERSION, write_plan
+from .plan import PLAN_VERSION, write_plan_streaming
 from .transactions import classify, half_summary, op_damage, open_halves
 
 log = logging.getLogger("ops.spark")
@@ -80,8 +80,14 @@ def group_offsets(offsets) -> list[tuple[str, str, int, int]]:
 AHEAD_SLACK_MS = 60_000
 
 
+# Halves the driver holds at a time while it writes a plan (a partition of the sorted list; about 100 MB of it).
+HALVES_A_PARTITION = 100_000
+
+
 def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_damaged: bool = False,
-               check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+               check_crc: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES, out_path: str | None = None) -> dict:
+    """The plan. With ``out_path`` it is written there (write_plan_streaming) and returned without its halves,
+    ``halves_listed`` saying how many the file lists: the driver holds one partition of them at a time."""
     from pyspark.sql import functions as F
 
     store_id = read_store_id(store_dir)
@@ -96,11 +102,12 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
         started = time.monotonic()
         rec = classify(scan.records)
         summary = half_summary(rec).cache()
-        expired = open_halves(summary).where(F.col("half_ts") < cutoff).orderBy("half").collect()
+        expired = open_halves(summary).where(F.col("half_ts") < cutoff).select(
+            F.col("half").alias("commit_log_offset"), "queue_offset", "producer_group",
+            F.col("real_topic").alias("topic"), F.col("half_ts").alias("store_timestamp"), "uniq_key")
         held = [r["half"] for r in summary.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull()
                                                  & (F.col("h.ts") < cutoff)).orderBy("half").collect()]
         damaged_ops = {**op_damage(rec), "unsettled_halves": held}
-        summary.unpersist()
         per_segment = {r["segment"]: r for r in (
             scan.queues.groupBy("segment")
             .agg(F.min("store_ts").alias("first"), F.max("ts_max").alias("last"), F.sum("n").alias("records"))
@@ -136,14 +143,23 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
         plan = {
             "version": PLAN_VERSION, "store_id": store_id, "created_ms": int(time.time() * 1000),
             "retention_ms": retention_ms, "now_ms": now_ms,
-            "halves": [{"commit_log_offset": r["half"], "queue_offset": r["queue_offset"],
-                        "producer_group": r["producer_group"], "topic": r["real_topic"],
-                        "store_timestamp": r["half_ts"], "uniq_key": r["uniq_key"]} for r in expired],
-            "segments": chosen,
-            "report": report,
+            "halves": [], "segments": chosen, "report": report,
         }
+        if out_path is None:
+            plan["halves"] = [r.asDict() for r in expired.orderBy("commit_log_offset").collect()]
+            listed = len(plan["halves"])
+        else:
+            del plan["halves"]
+            # Not collect(): 1M halves took 850 MB of the driver, 10M would stop it with no plan written. Sorted
+            # in partitions of HALVES_A_PARTITION (by range: partition i's all precede partition i+1's), read and
+            # written one partition at a time.
+            parts = max(1, -(-expired.count() // HALVES_A_PARTITION))
+            rows = (expired.repartitionByRange(parts, "commit_log_offset").sortWithinPartitions("commit_log_offset")
+                    .toLocalIterator(prefetchPartitions=False))
+            listed = plan["halves_listed"] = write_plan_streaming(plan, (r.asDict() for r in rows), out_path)
+        summary.unpersist()
         log.info("expiry: %d undecided half messages older than %.4g h; %d of %d sealed segments can go "
-                 "(planned in %.1f s)", len(plan["halves"]), retention_ms / HOUR, len(chosen),
+                 "(planned in %.1f s)", listed, retention_ms / HOUR, len(chosen),
                  max(len(scan.segments) - 1, 0), time.monotonic() - started)
         _say_damaged_ops(damaged_ops)
         for t in report["messages_by_topic"]:
@@ -193,7 +209,6 @@ def run_expiry(spark, store_dir: str, out_path: str, *, retention_hours: float =
                **scan_options) -> dict:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     plan = build_plan(spark, store_dir, retention_ms=int(round(retention_hours * HOUR)), now_ms=now_ms,
-                      **scan_options)
-    write_plan(plan, out_path)
+                      out_path=out_path, **scan_options)
     log.info("expiry: wrote %s", out_path)
     return plan

@@ -9,9 +9,15 @@ files. Mounting needs root; elsewhere the test is skipped and says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 
 import pytest
 
+from broker.store import MessageStore, PutRequest, StoreConfig
+from broker.store import index as index_mod
+from broker.store.index import IndexService
 from producer import Producer
 from protocol.codes import ResponseCode
 from protocol.errors import ResponseError
@@ -100,3 +106,43 @@ async def test_a_store_whose_file_system_turns_read_only_says_so_and_loses_nothi
         finally:
             if b.proc is not None and b.proc.poll() is None:
                 b.kill()
+
+
+async def test_the_message_index_on_a_file_system_turned_read_only_answers_from_its_files_and_removes_none(
+        tmp_path, monkeypatch, caplog):
+    """The message index on a real ext4 remounted read-only under it: a record dispatched after the remount could not
+    be indexed (EROFS), and the resume tried 10 s later closed every index file before opening them again read-write,
+    which failed EROFS: every query by key answered nothing from then on (mqadmin queryMsgByKey, a late COMMIT's
+    dead-letter lookup) though the files were there to read. Now it is said once, tried again quietly, answers from
+    the files it has, and removes none."""
+    monkeypatch.setattr(index_mod, "PROGRESS_EVERY_S", 3600)  # the start's save only, until the remount
+    with ext4(tmp_path / "disk", tmp_path / "disk.img") as disk:
+        root = disk.mount_point / "store"
+        store = MessageStore(str(root), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+        await store.open()
+        svc = IndexService(str(root), segment_size=4096 * 4, slots=1024, entries=4096)
+        store.add_dispatch_listener(svc.on_dispatch)
+        await svc.open(store.min_physical_offset, store.max_physical_offset)
+        svc.resume_every_s = 0          # at each turn of the index thread (the default paces it by 10 s)
+        try:
+            async with asyncio.timeout(60):
+                await svc.query("T", "x", 1, 0, 1)      # (the start's catch-up and its progress save)
+                for i in range(12):     # indexed as a broker's sends, their progress not saved yet
+                    assert (await store.put(PutRequest.build("T", b"x" * 100, properties={"KEYS": f"k{i} shared"}))).ok
+                assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 12
+                names = sorted(os.listdir(root / "index"))
+                disk.turn_read_only()
+                monkeypatch.setattr(index_mod, "PROGRESS_EVERY_S", 0)     # the save due: at each turn
+                with caplog.at_level(logging.ERROR, logger="txmq.index"):
+                    for _ in range(4):      # each query a turn of the index thread: the save, then resumes failing
+                        answer = await svc.query("T", "shared", 64, 0, 2**62)
+                assert svc.stopped and "Read-only file system" in svc.failed, svc.failed
+                assert len(answer.found) == 12 and answer.behind is not None, answer
+                said = [r.getMessage() for r in caplog.records]
+                assert sum("indexing stops here" in m for m in said) == 1 and not any("damaged" in m for m in said), \
+                    said
+                assert sorted(os.listdir(root / "index")) == names        # none removed
+        finally:
+            await svc.close()
+            with contextlib.suppress(Exception):    # (its flush refused: the file system is read-only)
+                await store.close()

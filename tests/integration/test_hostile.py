@@ -296,3 +296,124 @@ async def test_parked_pulls_past_max_in_flight_do_not_stall_the_connection(broke
     finally:
         conn.close()
     await asyncio.gather(*pulls, return_exceptions=True)
+
+
+def _rss_mb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS:"))
+
+
+async def _woken_in_full(broker, client, sent, opaques) -> None:
+    """Store a message after ``sent`` in its queue: the held pulls ``opaques`` are each woken and answered in full."""
+    async with Producer(broker.namesrv, "PG_wake", retries=0) as producer:
+        await asyncio.wait_for(producer.send(sent.queue.topic, b"second", queue=sent.queue), 10)
+    for opaque in opaques:
+        [reply] = await client.reply(opaque, 10)
+        assert reply.code == ResponseCode.SUCCESS, reply.remark
+        assert reply.int_field("nextBeginOffset") == sent.queue_offset + 2
+
+
+async def test_held_pulls_keep_neither_their_bodies_nor_made_up_fields(broker):
+    """A held pull kept its whole request for its suspend time: a body (never read; a frame may carry 16 MiB) and
+    a header of made-up fields (20,000 of them decoded to 1.5 MB). 500 held pulls of a 1 MiB body each grew the
+    broker by 500 MB on one connection (which may hold max_in_flight * 4), counted by no limit."""
+    from tests.support.raw_client import RawClient
+
+    async with Producer(broker.namesrv, "PG_fat", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("FatPulls", b"first"), 10)
+    fields = {"consumerGroup": "CG_fat", "topic": "FatPulls", "queueId": sent.queue.queue_id,
+              "queueOffset": sent.queue_offset + 1, "maxMsgNums": 32,
+              "sysFlag": PullSysFlag.SUSPEND | PullSysFlag.SUBSCRIPTION, "commitOffset": 0,
+              "suspendTimeoutMillis": 30000, "subscription": "*", "subVersion": 0}
+    made_up = {format(i, "x"): "" for i in range(20000)}
+    before = _rss_mb(broker.proc.pid)
+    client = await RawClient.open(broker.broker)
+    try:
+        for opaque in range(1, 201):
+            fat = (dict(fields), b"x" * (1 << 20)) if opaque % 4 else ({**fields, **made_up}, b"")
+            client.write(RemotingCommand(RequestCode.PULL_MESSAGE, opaque=opaque, ext_fields=fat[0],
+                                         body=fat[1]).encode())
+            await client.writer.drain()
+        assert await _parked_becomes(broker, 200, 30) == 200
+        grown = _rss_mb(broker.proc.pid) - before
+        assert grown < 100, f"200 held pulls grew the broker {grown} MB"      # 235 MB: each its whole request
+        await _woken_in_full(broker, client, sent, (1, 4))      # a pull of a body, one of made-up fields
+    finally:
+        client.close()
+    await _still_serves(broker)
+
+
+async def test_pipelined_headers_of_made_up_fields_do_not_hold_other_clients_behind_them(broker):
+    """A read's frames were handled 16 at a time, but libuv calls data_received up to 32 times for one readable
+    event: one connection pipelining 256 KiB headers of made-up fields (14-30 ms each to parse) held the loop for
+    32 of them an iteration, and another client's requests waited 1.0-2.3 s each. Counted here by how many of
+    the flood's requests answered while the other client's one was (sent once the flood's first was answered)."""
+    import json
+
+    from protocol.connection import open_connection
+    from protocol.frame import encode_frame
+    from tests.support.raw_client import RawClient
+
+    async with Producer(broker.namesrv, "PG_flood", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("Flooded", b"x"), 10)
+    fields = {"topic": "Flooded", "queueId": str(sent.queue.queue_id), **{format(i, "x"): "" for i in range(25000)}}
+    frames = [encode_frame(json.dumps({"code": RequestCode.GET_MAX_OFFSET, "flag": 0, "language": "JAVA",
+                                       "opaque": opaque, "version": 395, "extFields": fields}).encode())
+              for opaque in range(1, 121)]
+    other = await open_connection(*_hostport(broker.broker))
+    flood = await RawClient.open(broker.broker)
+    try:
+        flood.write(b"".join(frames))
+        await flood.reply(1, 30)
+        before = len(flood.replies)
+        reply = await other.request(RemotingCommand.request(RequestCode.GET_MAX_OFFSET, {
+            "topic": "Flooded", "queueId": sent.queue.queue_id}), 30)
+        answered_meanwhile = len(flood.replies) - before
+        assert reply.code == ResponseCode.SUCCESS
+        assert answered_meanwhile < 12, answered_meanwhile      # 41-56: a whole read loop's worth, each time
+        await flood.reply(120, 60)
+        assert len(flood.replies) == 120
+    finally:
+        other.close()
+        flood.close()
+
+
+async def test_held_pulls_keep_no_subscription_text_nor_padding_they_never_read(broker):
+    """A pull without the SUBSCRIPTION flag (a stock push consumer's) is filtered by the subscription its group's
+    heartbeat stored: its own subscription and expressionType fields are never read, neither when it is held nor
+    when it runs again. A held pull kept them all the same: 400 held pulls each naming 200 KiB of a made-up
+    "subscription" grew the broker some 80 MB (a host may hold 20,000 such pulls: 4 GB), past any TAG limit (16
+    KiB), as nothing parsed them. So did a number padded with 200 KiB of spaces (read as the number: int() strips
+    them), in a field a held pull keeps."""
+    import json
+
+    from tests.support.raw_client import RawClient
+
+    async with Producer(broker.namesrv, "PG_stored", retries=0) as producer:
+        sent = await asyncio.wait_for(producer.send("StoredSubs", b"first"), 10)
+    client = await RawClient.open(broker.broker)
+    try:
+        body = {"clientID": "127.0.0.1@stored", "producerDataSet": [], "consumerDataSet": [{
+            "groupName": "CG_stored", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+            "consumeFromWhere": "CONSUME_FROM_LAST_OFFSET", "unitMode": False, "subscriptionDataSet": [{
+                "classFilterMode": False, "topic": "StoredSubs", "subString": "*", "tagsSet": [], "codeSet": [],
+                "subVersion": 1, "expressionType": "TAG"}]}]}
+        client.write(RemotingCommand(RequestCode.HEART_BEAT, opaque=900_000, body=json.dumps(body).encode()).encode())
+        [beat] = await client.reply(900_000, 10)
+        assert beat.code == ResponseCode.SUCCESS, beat.remark
+        fields = {"consumerGroup": "CG_stored", "topic": "StoredSubs", "queueId": sent.queue.queue_id,
+                  "queueOffset": sent.queue_offset + 1, "maxMsgNums": 32, "sysFlag": PullSysFlag.SUSPEND,
+                  "commitOffset": 0, "suspendTimeoutMillis": 30000, "subVersion": 1}
+        before = _rss_mb(broker.proc.pid)
+        for opaque in range(2, 402):
+            junk = ({"subscription": f"{opaque:x}" + "s" * 200 * 1024, "expressionType": "TAG"} if opaque % 2
+                    else {"maxMsgNums": " " * 200 * 1024 + "32", "queueOffset": f"{sent.queue_offset + 1:>{opaque}}"})
+            client.write(RemotingCommand(RequestCode.PULL_MESSAGE, opaque=opaque, ext_fields={**fields, **junk}).encode())
+            await client.writer.drain()
+        assert await _parked_becomes(broker, 400, 30) == 400
+        grown = _rss_mb(broker.proc.pid) - before
+        assert grown < 20, f"400 held pulls grew the broker {grown} MB"      # 81 MB: each kept its 200 KiB
+        await _woken_in_full(broker, client, sent, (2, 401))    # filtered by the stored "*"; padded numbers read
+    finally:
+        client.close()
+    await _still_serves(broker)

@@ -629,6 +629,32 @@ async def _flood(address: str, n: int = 120) -> list:
 
 
 @bounded(90)
+async def test_connections_refused_for_everyone_name_the_addresses_holding_them_and_descriptors_are_exported(
+        tmp_path):
+    """Past what the open-files limit leaves for connections every new client is refused, whoever holds them. The
+    WARNING named the connection refused and its own address's count, never who held the room (from a /8 of
+    loopback addresses none passes max_connections_per_host), and no metric said how many descriptors the broker
+    held against its limit: the registry exported no process_open_fds / process_max_fds."""
+    b = BrokerProcess(tmp_path / "store", preexec_fn=_open_files(256)).start()
+    idle = []
+    try:
+        idle = await _flood(b.broker, 20)          # within the broker port's room (24 of 32 at ulimit -n 256)
+        for _ in range(20):
+            idle.append(await RawClient.open(b.broker, "127.0.0.3"))
+        assert _refusals(b, "open-files") > 0
+        assert "the addresses holding the most: 127.0.0.2 (20), 127.0.0.3 (" in b.log(), b.log()[-3000:]
+        scraped = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in scraped.splitlines()
+                  if line.startswith(("process_open_fds ", "process_max_fds "))}
+        assert values.get("process_max_fds") == 256, values
+        assert 40 < values.get("process_open_fds", 0) <= 256, values
+    finally:
+        for c in idle:
+            c.close()
+        b.kill()
+
+
+@bounded(90)
 async def test_idle_connections_flooding_the_name_server_port_do_not_lock_producers_out_of_the_broker_port(tmp_path):
     """The listeners share what the open-files limit leaves for connections: 120 idle connections from one address
     to the name-server port (unauthenticated, 2,000 allowed per address) took all 32 at ulimit -n 256, and a

@@ -226,6 +226,12 @@ async def test_a_plan_over_a_frame_is_applied_in_parts_its_halves_first(broker_f
     assert {s["why"] for s in reply["skipped"]} == {"already decided or unknown"}
     assert reply["segments_removed"] == [s["name"] for s in plan["segments"]] and reply["segments_kept"] == []
     assert "applied 92 of 92 parts: 1 halves expired, 90000 skipped" in out.stderr
+    # Said at its first part and its last, with every part's totals: not twice a part (184 WARNINGs).
+    log = b.log_path.read_text()
+    assert log.count("applies an expiry plan") == 1 and "applies an expiry plan in 92 parts (the first)" in log
+    assert log.count("expiry plan applied") == 1
+    assert (f"expiry plan applied in 92 parts: 1 halves expired, 90000 skipped (0 still undecided: not dead-lettered)"
+            f", {len(plan['segments'])} segments removed, 0 kept, 0 gone before") in log
     async with PullConsumer(b.namesrv, "CG_dead") as dl:
         (mq,) = await dl.fetch_queues("TRANS_CHECK_MAX_TIME_TOPIC")
         letters = (await dl.pull(mq, 0, max_nums=8)).messages
@@ -320,3 +326,34 @@ async def test_a_plan_stopped_before_its_segments_part_claims_no_segment_judged(
     reply = json.loads(out.stdout)
     assert reply["expired"] == [half["commit_log_offset"]] and len(reply["skipped"]) == 999
     assert not {"segments_removed", "segments_kept", "segments_gone"} & set(reply), reply.keys()
+
+
+async def test_a_plan_in_parts_whose_admin_goes_after_its_first_part_is_said_with_what_it_applied(broker_factory,
+                                                                                                 tmp_path):
+    """The parts between a plan's first and its last are said at DEBUG: an admin killed (or its connection dropped)
+    after its first part left what the parts applied in no WARNING. The broker says the plan cut short when the
+    connection closes."""
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+    from protocol.connection import open_connection
+
+    store = tmp_path / "store"
+    b = broker_factory(*FLAGS)
+    now = int(time.time() * 1000)
+    await _wait_manifest(store, lambda m: True)
+    plan = {**_plan(store, now), "segments": [], "part": 1, "parts": 3,
+            "halves": [{"commit_log_offset": 10**12 + i, "queue_offset": i, "producer_group": "PG_tx", "topic": "Paid",
+                        "store_timestamp": now - 80 * H, "uniq_key": f"{i:032X}"} for i in range(3)]}
+    host, _, port = b.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    resp = await conn.request(RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(plan).encode()),
+                              30)
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    conn.close()
+    line = ("cut short: 1 of 3 parts applied, then the connection closed: 0 halves expired, 3 skipped (0 still "
+            "undecided: not dead-lettered), 0 segments removed, 0 kept, 0 gone before; apply the plan again to finish it "
+            "(what was done is skipped)")
+    async with asyncio.timeout(30):
+        while line not in b.log_path.read_text():
+            await asyncio.sleep(0.1)        # (the broker's log file: nothing to await but its lines)
+    assert "applies an expiry plan in 3 parts (the first): 3 halves, 0 segments" in b.log_path.read_text()

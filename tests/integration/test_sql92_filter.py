@@ -5,6 +5,7 @@ written here byte by byte, as fastjson writes a JSON header, not with protocol.c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 
@@ -96,6 +97,15 @@ class JavaConsumer:
         if expression is not None:      # a lite pull consumer sends its subscription; a push consumer does not
             ext.update(sysFlag="4", subscription=expression)
         return await self.call(11, ext)
+
+    def held_pull(self, queue_id: int, body: bytes = b"", **fields) -> asyncio.Future:
+        """A pull at offset 1 held up to 20 s (written, not awaited); its reply's future."""
+        self.opaque += 1
+        self.raw.write(java_frame(11, self.opaque, {
+            "consumerGroup": GROUP, "topic": TOPIC, "queueId": str(queue_id), "queueOffset": "1", "maxMsgNums": "32",
+            "commitOffset": "0", "suspendTimeoutMillis": "20000", "subVersion": "1", "expressionType": "SQL92",
+            **fields}, body))
+        return asyncio.ensure_future(self.raw.reply(self.opaque, 30.0))
 
     async def drain(self, version: int, expression: str | None = None) -> list[bytes]:
         """Every queue pulled from 0 until caught up; the bodies delivered."""
@@ -214,34 +224,52 @@ async def test_an_expensive_expression_does_bounded_work_per_pull(broker_factory
         raw.close()
 
 
+@contextlib.asynccontextmanager
+async def _one_message_in(broker, producer_group: str):
+    """``broker``, a producer of ``producer_group`` that stored m0 (a=0) at offset 0 of a queue, that queue, and a
+    JavaConsumer on a raw connection."""
+    async with Producer(broker.namesrv, producer_group) as producer:
+        mq = (await producer.send(TOPIC, b"m0", properties={"a": "0"})).queue
+        raw = await RawClient.open(broker.broker)
+        try:
+            yield broker, producer, mq, JavaConsumer(raw)
+        finally:
+            raw.close()
+
+
 @bounded(60)
 async def test_a_held_pull_answers_by_the_expression_its_group_has_now(broker_factory):
     """A push consumer's pull names no expression: the heartbeat's is used. One held (long polling) while a
     heartbeat changes the expression answers by the new one, as RocketMQ runs a woken pull again: by the
     expression it was parked with, a message only the old expression wanted was delivered."""
-    broker = broker_factory("--enable-property-filter", "true")
-    async with Producer(broker.namesrv, "PG_sql_change") as producer:
-        mq = (await producer.send(TOPIC, b"m0", properties={"a": "0"})).queue
-        raw = await RawClient.open(broker.broker)
-        try:
-            java = JavaConsumer(raw)
-            await java.heartbeat("a = 1", 1)
-            java.opaque += 1                                  # written now: the broker reads it before the next
-            raw.write(java_frame(11, java.opaque, {
-                "consumerGroup": GROUP, "topic": TOPIC, "queueId": str(mq.queue_id), "queueOffset": "1",
-                "maxMsgNums": "32", "sysFlag": "2", "commitOffset": "0", "suspendTimeoutMillis": "20000",
-                "subVersion": "1", "expressionType": "SQL92"}))
-            held = asyncio.ensure_future(raw.reply(java.opaque, 30.0))
-            await java.heartbeat("a = 2", 2)                 # the consumer subscribed again
-            await producer.send(TOPIC, b"m1", properties={"a": "1"}, queue=mq)
-            await producer.send(TOPIC, b"m2", properties={"a": "2"}, queue=mq)
-            reply = (await held)[0]
-            assert reply.code in (ResponseCode.SUCCESS, ResponseCode.PULL_RETRY_IMMEDIATELY), reply.code
-            bodies = [m.body for m in decode_records(reply.body_bytes())] if reply.code == ResponseCode.SUCCESS else []
-            assert b"m1" not in bodies, "delivered by the expression the consumer no longer has"
-        finally:
-            raw.close()
+    async with _one_message_in(broker_factory("--enable-property-filter", "true"), "PG_sql_change") as (
+            broker, producer, mq, java):
+        await java.heartbeat("a = 1", 1)
+        held = java.held_pull(mq.queue_id, sysFlag="2")   # written now: the broker reads it before the next
+        await java.heartbeat("a = 2", 2)                 # the consumer subscribed again
+        await producer.send(TOPIC, b"m1", properties={"a": "1"}, queue=mq)
+        await producer.send(TOPIC, b"m2", properties={"a": "2"}, queue=mq)
+        reply = (await held)[0]
+        assert reply.code in (ResponseCode.SUCCESS, ResponseCode.PULL_RETRY_IMMEDIATELY), reply.code
+        bodies = [m.body for m in decode_records(reply.body_bytes())] if reply.code == ResponseCode.SUCCESS else []
+        assert b"m1" not in bodies, "delivered by the expression the consumer no longer has"
 
+
+@bounded(60)
+async def test_a_held_pull_carrying_its_sql_subscription_is_woken_by_it(broker_factory):
+    """A lite pull consumer's held pull names its expression and its type (SQL92); a held pull keeps only the
+    fields it reads again (not its body, nor made-up fields). Run again without expressionType it was read as
+    a TAG expression: the message its SQL wants was answered as no match."""
+    from tests.integration.test_hostile import _parked_becomes
+    async with _one_message_in(broker_factory("--enable-property-filter", "true"), "PG_sql_held") as (
+            broker, producer, mq, java):
+        held = java.held_pull(mq.queue_id, b"a body no pull reads", sysFlag="6", subscription="a = 2",
+                              madeUp="x" * 1000)
+        assert await _parked_becomes(broker, 1, 20) == 1
+        await producer.send(TOPIC, b"m2", properties={"a": "2"}, queue=mq)
+        reply = (await held)[0]
+        assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        assert [m.body for m in decode_records(reply.body_bytes())] == [b"m2"]
 
 @bounded(90)
 async def test_our_push_consumer_consumes_by_sql(broker_factory):

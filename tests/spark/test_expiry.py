@@ -82,12 +82,13 @@ def expected_segments(written, blocked_topic_queue_offsets=None):
 def test_plan_lists_old_undecided_halves_and_old_segments_with_the_store_id(spark, store, tmp_path):
     from ops.spark.manifest import read_store_id
 
-    from ops.spark.expiry import run_expiry
+    from ops.spark.expiry import build_plan, run_expiry
 
     set_offsets(store["dir"], [("cg1", "Orders", 0, 200), ("cg2", "Orders", 0, 200)])
     path = str(tmp_path / "plan.json")
-    plan = run_expiry(spark, store["dir"], path, now_ms=NOW)
-    assert validate_plan(path) == plan
+    written = run_expiry(spark, store["dir"], path, now_ms=NOW)
+    plan = validate_plan(path)
+    assert written == {**{k: v for k, v in plan.items() if k != "halves"}, "halves_listed": len(plan["halves"])}
     assert (plan["version"], plan["now_ms"], plan["retention_ms"]) == (2, NOW, 72 * H)
     assert plan["store_id"] == read_store_id(store["dir"]) and len(plan["store_id"]) == 36
     r, e = store["resumed"], store["expired"]
@@ -104,8 +105,10 @@ def test_plan_lists_old_undecided_halves_and_old_segments_with_the_store_id(spar
     listed = {s["name"] for s in plan["segments"]}
     for half in ("exact", "young"):
         assert f"{store[half].offset // SEG * SEG:020d}" not in listed
-    again = run_expiry(spark, store["dir"], str(tmp_path / "again.json"), now_ms=NOW)
+    run_expiry(spark, store["dir"], str(tmp_path / "again.json"), now_ms=NOW)
+    again = validate_plan(str(tmp_path / "again.json"))
     assert (again["halves"], again["segments"]) == (plan["halves"], plan["segments"])
+    assert build_plan(spark, store["dir"], retention_ms=72 * H, now_ms=NOW)["halves"] == plan["halves"]
 
 
 def test_the_72_hour_boundary(spark, store, tmp_path):
@@ -239,3 +242,67 @@ def test_a_segment_stamped_ahead_of_the_plan_is_said_at_warning_with_what_it_hol
         assert kept[0][0] == logging.WARNING and f"{ahead} ms ahead of the time planned for" in kept[0][1], said
     else:
         assert kept[0][0] == logging.INFO and "not older than the retention" in kept[0][1], said
+
+
+_SMALL_DRIVER = """
+import json, sys
+import ops.spark.expiry as expiry
+from ops.spark.session import build_session
+expiry.HALVES_A_PARTITION = 500
+spark = build_session("local[2]", app_name="txmq-tests", shuffle_partitions=2, progress=False,
+                      conf={"spark.driver.maxResultSize": "1m"})
+try:
+    print(json.dumps(expiry.run_expiry(spark, sys.argv[1], sys.argv[2], now_ms=int(sys.argv[3]))["halves_listed"]))
+finally:
+    spark.stop()
+"""
+
+
+def test_a_plan_bigger_than_what_the_driver_takes_at_once_is_written_a_partition_at_a_time(tmp_path):
+    """The plan's halves were collect()ed on the driver: 1M halves took 850 MB of it, and a plan whose halves
+    (compressed) pass spark.driver.maxResultSize (1 GiB by default) stopped the job with nothing written. Here a
+    driver that takes at most 1 MiB a job writes 4,000 halves (about 2 MiB of them) in partitions of 500."""
+    from protocol.message import Prop
+    from protocol.txlog import HALF_TOPIC
+
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=1 << 20) as b:
+        halves = []
+        for batch in range(8):
+            b.at(NOW - 80 * H + batch)
+            halves += b.put_many([(HALF_TOPIC, b"tx", 0, {Prop.TRAN_MSG: "true", Prop.PGROUP: "pg", Prop.UNIQ_KEY:
+                                   os.urandom(500).hex(), Prop.REAL_TOPIC: "Pay", Prop.REAL_QID: "0"}, 0, 0)
+                                  for _ in range(500)])
+        b.at(NOW - H).send("Orders")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = str(tmp_path / "plan.json")
+    proc = subprocess.run([sys.executable, "-c", _SMALL_DRIVER, d, path, str(NOW)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=root), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == 4000
+    plan = validate_plan(path)
+    assert [(h["commit_log_offset"], h["uniq_key"]) for h in plan["halves"]] == [
+        (h.offset, h.props["UNIQ_KEY"]) for h in halves]
+
+
+@pytest.mark.parametrize("n", [0, 500, 501])
+def test_no_halves_a_partition_of_them_and_one_over_are_each_written_whole_and_in_order(spark, tmp_path, monkeypatch,
+                                                                                      n):
+    """The halves written a partition at a time: none (one empty partition), exactly a partition, one over (two)."""
+    import ops.spark.expiry as expiry
+    from protocol.message import Prop
+    from protocol.txlog import HALF_TOPIC
+
+    monkeypatch.setattr(expiry, "HALVES_A_PARTITION", 500)
+    d = str(tmp_path / "store")
+    with StoreBuilder(d, segment_size=1 << 20) as b:
+        b.at(NOW - 80 * H)
+        halves = b.put_many([(HALF_TOPIC, b"tx", 0, {Prop.TRAN_MSG: "true", Prop.PGROUP: "pg", Prop.UNIQ_KEY: f"{i:032X}",
+                                                     Prop.REAL_TOPIC: "Pay", Prop.REAL_QID: "0"}, 0, 0)
+                              for i in range(n)])
+        b.at(NOW - H).send("Orders")
+    path = str(tmp_path / "plan.json")
+    assert expiry.run_expiry(spark, d, path, now_ms=NOW)["halves_listed"] == n
+    assert [h["commit_log_offset"] for h in validate_plan(path)["halves"]] == [h.offset for h in halves]
+    with open(path) as f:
+        assert json.load(f)["halves"] == validate_plan(path)["halves"]

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from ops.spark import PlanError, validate_plan
 from ops.spark import segments as seg
-from ops.spark.plan import write_plan
+from ops.spark.plan import write_plan, write_plan_streaming
 from ops.spark.snapshots import parse_line
 from tests.spark.storegen import StoreBuilder
 
@@ -148,6 +149,32 @@ def test_validate_plan_accepts_a_good_plan_from_file_text_or_dict(tmp_path):
     with open(path) as f:
         assert validate_plan(f.read())["segments"][0]["name"] == "0" * 20
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".plan-")]
+
+
+def test_a_plan_written_a_half_at_a_time_reads_as_one_written_whole_and_a_bad_half_writes_nothing(tmp_path):
+    """The expiry job's driver writes the halves as it reads them (write_plan_streaming): each is checked as
+    validate_plan checks it, and one that fails (or comes out of order: a duplicate would pass unseen) leaves the
+    plan that was there as it was, and no temporary file."""
+    plan = _plan()
+    halves = [{**plan["halves"][0], "commit_log_offset": 10 + i, "uniq_key": f"U{i}é"} for i in range(5)]
+    path = tmp_path / "plan.json"
+    assert write_plan_streaming(plan, iter(halves), str(path)) == 5
+    assert validate_plan(str(path)) == {**plan, "halves": halves}
+    assert list(validate_plan(str(path))) == list(plan)             # the keys in the format's order
+    assert write_plan_streaming(plan, iter([]), str(path)) == 0 and validate_plan(str(path))["halves"] == []
+    write_plan_streaming(plan, iter(halves), str(path))
+    before = path.read_bytes()
+    young = {**halves[0], "commit_log_offset": 99, "store_timestamp": plan["now_ms"]}
+    for bad, message in ((halves + [young], "halves[5]: store_timestamp"),
+                         (halves[:3] + halves[2:], "halves[3]: commit_log_offset 12 is not past the one before"),
+                         (halves[:2] + [7], "halves[2] is not an object")):
+        with pytest.raises(PlanError, match=re.escape(message)):
+            write_plan_streaming(plan, iter(bad), str(path))
+        assert path.read_bytes() == before
+    with pytest.raises(PlanError, match="segments are not listed oldest first"):
+        write_plan_streaming(_plan(segments=[_seg("1".zfill(20), 1, 2), _seg("0" * 20, 1, 2)]), iter(halves),
+                             str(path))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["plan.json"]
 
 
 def test_a_plan_written_through_a_symlink_replaces_the_file_it_points_to(tmp_path):

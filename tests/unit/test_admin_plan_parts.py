@@ -14,6 +14,30 @@ def _plan(n_halves: int) -> dict:
             "segments": [{"name": "0" * 20}], "report": {"segments": 1}}
 
 
+def _parts_of_4() -> list[dict]:
+    """A plan of 5 halves in 4 parts, each with its place as the admin sends it."""
+    return [{**p, "part": n, "parts": 4} for n, p in enumerate(plan_parts(_plan(5), 2), 1)]
+
+
+async def _send_part(ctx, conn, part, code=None):
+    """TXMQ_APPLY_EXPIRY of ``part`` on ``conn``, to the broker's processor; its reply must be ``code`` (SUCCESS)."""
+    from broker.processors.transaction import apply_expiry
+    from protocol.codes import RequestCode, ResponseCode
+    from protocol.command import RemotingCommand
+
+    cmd = RemotingCommand.request(RequestCode.TXMQ_APPLY_EXPIRY, body=json.dumps(part).encode())
+    assert (await apply_expiry(ctx, conn, cmd)).code == (ResponseCode.SUCCESS if code is None else code)
+
+
+def _warned(caplog) -> list[str]:
+    """The WARNING (and worse) lines said since the last call."""
+    import logging
+
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    return lines
+
+
 def test_a_plan_within_a_slice_is_sent_as_it_is():
     plan = _plan(3)
     assert plan_parts(plan, 3) == [plan]
@@ -332,5 +356,154 @@ def test_a_big_plan_sent_whole_to_a_broker_is_its_parts_in_order(tmp_path, monke
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan, indent=1))
     code, bodies, out, err = _sent_to_a_fake_broker(monkeypatch, capsys, path, lambda n: None)
-    assert code == 0 and bodies == admin.plan_parts(plan) and len(bodies) == 16, (code, len(bodies), err)
+    assert code == 0 and len(bodies) == 16, (code, len(bodies), err)
+    # each with its place, for the broker's log (the plan said at its first part and its last, not at each)
+    assert bodies == [{**p, "part": n, "parts": 16} for n, p in enumerate(admin.plan_parts(plan), 1)]
+    assert all(len(json.dumps(p).encode()) <= admin.PART_BYTES for p in bodies)
     assert json.loads(out)["expired"] == [h["commit_log_offset"] for h in plan["halves"]]
+
+
+async def test_the_broker_says_a_plan_in_parts_at_its_first_part_and_its_last_with_the_totals(caplog):
+    """Two WARNINGs a part were 20,000 for a plan of 10M halves. A part with no first part before it on its connection
+    (an admin's own sequence, or a client's) is said as a plan of its own: applying halves is never said at DEBUG
+    alone."""
+    import logging
+    from types import SimpleNamespace
+
+    class Retention:
+        async def apply_plan(self, plan, *, say=True):
+            self.said = say
+            return {"expired": [h["commit_log_offset"] for h in plan["halves"]], "skipped": [{"undecided": True}],
+                    "segments_removed": [s["name"] for s in plan["segments"]], "segments_kept": [],
+                    "segments_gone": []}
+
+    class Conn:
+        peer = ("127.0.0.1", 5000)
+
+    ctx = SimpleNamespace(retention=Retention())
+    parts = _parts_of_4()
+
+    async def send(conn, part):
+        await _send_part(ctx, conn, part)
+
+    def said():
+        return _warned(caplog)
+
+    caplog.set_level(logging.DEBUG, "txmq")
+    conn = Conn()
+    for part in parts:
+        await send(conn, part)
+    assert said() == ["admin 127.0.0.1:5000 applies an expiry plan in 4 parts (the first): 2 halves, 0 segments",
+                      "expiry plan applied in 4 parts: 5 halves expired, 4 skipped (4 still undecided: not "
+                      "dead-lettered), 1 segments removed, 0 kept, 0 gone before"]
+    other = Conn()
+    await send(other, parts[2])                 # no first part on this connection
+    assert said() == ["admin 127.0.0.1:5000 applies an expiry plan: 1 halves, 0 segments"] and ctx.retention.said
+    await send(other, parts[3])
+    assert said() == ["admin 127.0.0.1:5000 applies an expiry plan: 0 halves, 1 segments"] and ctx.retention.said
+
+
+async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(caplog):
+    """The parts between a plan's first and its last were said at DEBUG alone: a plan whose admin died (or whose
+    connection dropped) after 50 of 92 parts, a part refused midway, a new plan begun on the connection before the
+    last part, or parts that come out of order (pipelined, or its last before the one before it) left what those
+    parts applied (halves expired, dead letters written) in no WARNING at all."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from broker.processors import transaction as tp
+    from broker.retention import PlanRefused
+    from protocol.codes import ResponseCode
+
+    class Retention:
+        refuse = False
+
+        gate = None
+
+        async def apply_plan(self, plan, *, say=True):
+            if self.refuse:
+                raise PlanRefused("store_id is another store's")
+            if self.gate is not None:
+                self.entered.set()
+                await self.gate.wait()
+            self.said = say
+            return {"expired": [h["commit_log_offset"] for h in plan["halves"]], "skipped": [],
+                    "segments_removed": [s["name"] for s in plan["segments"]], "segments_kept": [],
+                    "segments_gone": []}
+
+    class Conn:
+        peer = ("127.0.0.1", 5001)
+
+        def __init__(self):
+            self.closed = asyncio.Event()
+
+    ctx = SimpleNamespace(retention=Retention())
+    parts = _parts_of_4()
+
+    async def send(conn, part, code=None):
+        await _send_part(ctx, conn, part, code)
+
+    def said():
+        return _warned(caplog)
+
+    caplog.set_level(logging.DEBUG, "txmq")
+    # the connection closes after 2 of 4 parts
+    conn = Conn()
+    await send(conn, parts[0])
+    await send(conn, parts[1])
+    said()
+    conn.closed.set()
+    await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 2 of 4 parts applied, then the connection closed: "
+                      "4 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
+                      "0 gone before; apply the plan again to finish it (what was done is skipped)"]
+    assert conn not in tp._PLAN_PARTS and conn not in tp._PLAN_WATCHERS
+    # a part refused midway
+    conn = Conn()
+    await send(conn, parts[0])
+    said()
+    ctx.retention.refuse = True
+    await send(conn, parts[1], ResponseCode.SYSTEM_ERROR)
+    ctx.retention.refuse = False
+    assert said()[:1] == ["expiry plan from 127.0.0.1:5001 cut short: 1 of 4 parts applied, then part 2 was refused: "
+                          "2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, "
+                          "0 kept, 0 gone before; apply the plan again to finish it (what was done is skipped)"]
+    # a new plan begun before the last part of the one before
+    await send(conn, parts[0])
+    await send(conn, parts[1])
+    said()
+    await send(conn, parts[0])
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 2 of 4 parts applied, then a new plan began on the "
+                      "connection: 4 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments "
+                      "removed, 0 kept, 0 gone before; apply the plan again to finish it (what was done is skipped)",
+                      "admin 127.0.0.1:5001 applies an expiry plan in 4 parts (the first): 2 halves, 0 segments"]
+    # a part out of its place (its last before the one before it) is said as a plan of its own; the others still
+    # add up, said when the connection closes
+    await send(conn, parts[1])
+    await send(conn, parts[3])
+    await send(conn, parts[2])
+    assert said() == ["admin 127.0.0.1:5001 applies an expiry plan: 0 halves, 1 segments"]
+    assert ctx.retention.said is False          # (part 3's; part 4's said by apply_plan itself)
+    conn.closed.set()
+    await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 3 of 4 parts applied, then the connection closed: "
+                      "5 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
+                      "0 gone before; apply the plan again to finish it (what was done is skipped)"]
+    # the connection closes while a part is applied: the parts before said at once, that part when it is done
+    conn = Conn()
+    await send(conn, parts[0])
+    said()
+    ctx.retention.gate, ctx.retention.entered = asyncio.Event(), asyncio.Event()
+    second = asyncio.ensure_future(send(conn, parts[1]))
+    await asyncio.wait_for(ctx.retention.entered.wait(), 5)
+    conn.closed.set()
+    await asyncio.wait_for(tp._PLAN_WATCHERS[conn], 5)
+    assert said() == ["expiry plan from 127.0.0.1:5001 cut short: 1 of 4 parts applied, then the connection closed: "
+                      "2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments removed, 0 kept, "
+                      "0 gone before; apply the plan again to finish it (what was done is skipped)"]
+    ctx.retention.gate.set()
+    await asyncio.wait_for(second, 5)
+    assert said() == ["expiry plan part 2 of 4 applied, its plan cut short before it: 2 halves expired, 0 skipped (0 "
+                      "still undecided: not dead-lettered), 0 segments removed, 0 kept, 0 gone before"]
+    assert not tp._PLAN_PARTS and not tp._PLAN_WATCHERS

@@ -66,3 +66,61 @@ async def test_a_held_request_is_in_flight_until_released():
     conn.release()
     await asyncio.wait_for(asyncio.gather(*pending), 5)
     assert conn.in_flight == []
+
+
+class _Transport:
+    """What RemotingConnection asks of its transport, reading paused or not as it said last."""
+
+    def __init__(self):
+        self.paused, self.closing = False, False
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
+    def pause_reading(self):
+        self.paused = True
+
+    def resume_reading(self):
+        self.paused = False
+
+    def is_closing(self):
+        return self.closing
+
+
+def _fat_frame(opaque: int) -> bytes:
+    from protocol.codes import FLAG_ONEWAY, RequestCode
+    fields = {format(i, "x"): "" for i in range(9000)}     # a header past TURN_HEADER_BYTES
+    return RemotingCommand(RequestCode.GET_MAX_OFFSET, opaque=opaque, flag=FLAG_ONEWAY, ext_fields=fields).encode()
+
+
+@bounded()
+async def test_reading_paused_for_headers_and_for_an_unread_peer_resume_only_for_their_own_reason():
+    """A connection pauses reading to the loop's next iteration after TURN_HEADER_BYTES of headers, and for as long
+    as its peer leaves responses unread (pause_writing). Neither may resume the other's pause: the next iteration
+    resumed reading from a peer reading nothing, or a peer catching up resumed one mid-flood of headers."""
+    from protocol.connection import TURN_HEADER_BYTES
+    frame = _fat_frame(1)
+    assert int.from_bytes(frame[5:8], "big") > TURN_HEADER_BYTES
+    conn, t = RemotingConnection(lambda c, m: None), _Transport()
+    conn.connection_made(t)
+    conn.pause_writing()                    # the peer reads nothing
+    conn.data_received(frame)
+    assert t.paused
+    for _ in range(3):
+        await asyncio.sleep(0)              # the next iteration: the headers' pause is over, not the peer's
+    assert t.paused and conn.reading_paused
+    conn.resume_writing()
+    assert not t.paused
+    conn.data_received(_fat_frame(2))       # a flood of headers; the peer catches up within the same iteration
+    conn.pause_writing()
+    conn.resume_writing()
+    assert t.paused, "a peer catching up resumed reading paused for headers"
+    await asyncio.sleep(0)
+    assert not t.paused and not conn.reading_paused
+    conn.data_received(_fat_frame(3))       # closed while paused for headers: nothing resumes, nothing raises
+    conn.connection_lost(None)
+    await asyncio.sleep(0)
+    assert conn.transport is None and not conn.reading_paused

@@ -271,3 +271,26 @@ def test_close_quiet_asks_the_kernel_nothing_about_connections_whose_peer_keeps_
     for _ in range(5):
         assert gate.close_quiet(3) == 0
     assert asked == []
+
+
+def test_a_refusal_past_max_connections_names_who_holds_them_and_what_to_do(caplog):
+    """Past a limit of every address together the line named the holders, but not what to do about them: every
+    new client (producers, consumers) is refused until some close."""
+    gate = ConnectionGate(5, 4, logging.getLogger("test.gate"), "broker listener")
+    for i in range(3):
+        assert gate.admit(_Conn(i, "10.0.0.7")) is None
+    for i in range(2):
+        assert gate.admit(_Conn(i, "10.0.0.8")) is None
+    with caplog.at_level(logging.WARNING, logger="test.gate"):
+        assert gate.admit(_Conn(9, "10.0.0.9")) == "max_connections"
+    [first] = [r.getMessage() for r in caplog.records]
+    assert "the addresses holding the most: 10.0.0.7 (3), 10.0.0.8 (2)" in first, first
+    assert "--max-connections" in first and "ulimit -n" not in first, first
+    # a client's own cap names no one else, and is that client's to hear
+    gate = ConnectionGate(50, 2, logging.getLogger("test.gate"), "broker listener")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="test.gate"):
+        for i in range(3):
+            gate.admit(_Conn(i))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "holding the most" not in line and "--max-connections" not in line, line

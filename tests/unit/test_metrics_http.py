@@ -233,3 +233,39 @@ async def test_connections_past_the_cap_are_answered_503_at_once_not_given_a_thr
             s.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+@bounded(60)
+async def test_a_request_trickled_a_byte_at_a_time_is_dropped_at_the_read_timeout_not_kept(monkeypatch, caplog):
+    """The read timeout bounded each recv, not the request: a client sending its request line a byte every half
+    timeout held its thread for as long as it liked, and MAX_CONNECTIONS such clients (one host, one process)
+    had every scrape answered 503 for good."""
+    import socket
+    import broker.metrics_http as mh
+    monkeypatch.setattr(mh, "READ_TIMEOUT_S", 0.5)
+    loop = asyncio.get_running_loop()
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop)
+    request = b"GET /metrics?" + b"a" * 200
+
+    def trickle():
+        with socket.create_connection(("127.0.0.1", httpd.server_address[1]), timeout=10) as s:
+            for sent in range(len(request)):      # 0.1 s a byte, a fifth of the timeout: 20 s for all of them
+                try:
+                    s.sendall(request[sent:sent + 1])
+                    s.settimeout(0.1)
+                    if s.recv(1) == b"":
+                        return sent             # closed by the server
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return sent
+            return None
+    try:
+        with caplog.at_level("WARNING", logger="txmq.metrics"):
+            sent = await asyncio.to_thread(trickle)
+        assert sent is not None, "the trickled request was kept to its end"
+        assert sent < 30, sent             # the timeout (5 bytes' worth), with room for a busy machine
+        assert "not sent whole within" in caplog.text
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
