@@ -459,7 +459,6 @@ class IndexService:
         # key answered nothing for as long as that lasted. Failing, they go on answering, searched as far as before.
         kept, covered = self.files, self.covered
         self.files = []
-        self._queried.clear()
         self._skip, self._skip_hashes = -1, set()
         try:
             if self._removed_under:
@@ -479,6 +478,9 @@ class IndexService:
             raise
         for f in kept:
             f.close()
+        # (Not before: failing, the older files kept open stay the ones the LRU closes. Forgotten at each attempt,
+        # a read-only disk's resume every 10 s between queries of time windows left every file they read open.)
+        self._queried.clear()
         self.failed = None
         self._catching_up = True
         end = self._seen_end

@@ -1395,3 +1395,81 @@ async def test_a_batch_cut_to_one_entry_by_a_nearly_full_file_indexes_the_rest_o
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(20)
+async def test_older_index_files_a_failing_resume_keeps_stay_within_the_ones_last_queried(tmp_path, monkeypatch):
+    """A resume that cannot read the index files back (a file system turned read-only) keeps the ones it had; it
+    forgot which older ones a query had opened again, and kept their descriptors open untracked: on a disk read-only
+    for hours, a resume every 10 s and queries of time windows between, each file they read stayed open."""
+    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", 2)
+    held = 2 + 2        # the two last queried; the file being written and its slot table's mapping
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    svc.resume_every_s = 0
+
+    def read_only(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(IndexFile, "put_many", read_only)
+    monkeypatch.setattr(IndexFile, "open", read_only)
+    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40     # two older files left open
+    for _ in range(3):              # queries of a window no file is in (1 ms): resumes tried, no file read
+        await svc.query("T", "shared", 64, 1, 1)
+    open_older = {f.name for f in svc.files[:-1] if not f.parked}
+    assert open_older and open_older <= {f.name for f in svc._queried}, "open older files the LRU forgot"
+    most = 0
+    for i in range(40):             # each query a turn of the index thread: the resume tried, and failing
+        assert len((await svc.query("T", f"k{i}", 64, 0, 2**62)).found) == 1
+        most = max(most, _open_index_files(tmp_path))
+    assert svc.stopped and "Read-only" in svc.failed
+    assert most <= held, f"{most} index descriptors open"
+    await svc.close()
+    assert _open_index_files(tmp_path) == 0
+    await store.close()
+
+
+@bounded(20)
+async def test_index_files_made_after_a_progress_saved_with_none_and_then_removed_are_rebuilt(tmp_path):
+    """A progress saved with no index file lets a start that finds none take it; once a keyed record made a file,
+    the next save must clear that flag, or ``rm index/*`` then would be taken for "never needed one" and the keyed
+    records before the progress never found again."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.close()                   # saved with no file
+    svc = await _service(tmp_path, store)
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "kept"}))
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("T", b"y" * 100))).ok
+    assert (await svc.query("T", "kept", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()                   # saved past the keyed record, a file held
+    assert svc._read_progress() == (store.max_physical_offset, False)
+    for name in os.listdir(tmp_path / "index"):
+        if name.isdigit():
+            os.unlink(tmp_path / "index" / name)
+    svc = await _service(tmp_path, store)
+    assert (await svc.query("T", "kept", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_damaged_progress_with_no_index_file_is_caught_up_from_the_start(tmp_path):
+    """A 13-byte progress torn (a byte cut) or of a wrong crc is not taken: a start with no index file reads the
+    log from its start (nothing skipped on a flag it cannot trust)."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    path = tmp_path / "index" / index_mod.PROGRESS_FILE
+    raw = path.read_bytes()
+    assert len(raw) == 13 and svc._read_progress() == (store.max_physical_offset, True)
+    for bad in (raw[:12], raw[:8] + b"\x02" + raw[9:], raw[:-1] + bytes([raw[-1] ^ 1])):
+        path.write_bytes(bad)
+        assert svc._read_progress() == (0, False)
+    await store.close()
