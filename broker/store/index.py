@@ -823,8 +823,6 @@ class IndexService:
                             break
             if f.count > 1 and f.begin_ts < begin and (i == 0 or ends[i - 1] < begin):
                 break
-        while len(self._queried) > OPEN_INDEX_FILES:
-            self._queried.popitem(last=False)[0].park()
         cut = cut or budget.cut
         if cut:
             self._said_cut(topic, key, len(found))
@@ -840,6 +838,10 @@ class IndexService:
             raise StoreError(f"index file {f.name} could not be opened for this query: {exc}") from exc
         self._queried[f] = None
         self._queried.move_to_end(f)
+        # Here, not at the query's end: a window of every file (a stock client's 0 to Long.MAX_VALUE, a dead-letter
+        # lookup) held each older file open at once until then, thousands past an open-files limit of 1,024.
+        while len(self._queried) > OPEN_INDEX_FILES:
+            self._queried.popitem(last=False)[0].park()     # (not f: the newest in the list)
 
     def _said_cut(self, topic: str, key: str, found: int) -> None:
         self.queries_cut += 1

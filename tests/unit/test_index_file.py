@@ -1473,3 +1473,29 @@ async def test_a_damaged_progress_with_no_index_file_is_caught_up_from_the_start
         path.write_bytes(bad)
         assert svc._read_progress() == (0, False)
     await store.close()
+
+
+@bounded(20)
+async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_them_open(tmp_path, monkeypatch):
+    """A query of a window that holds every file (a stock client's queryMsgByKey: 0 to Long.MAX_VALUE; a late
+    COMMIT's dead-letter lookup) opened every older file again and closed the ones past OPEN_INDEX_FILES only at its
+    end: ~2,600 descriptors at once over 30 days of retention, past a 1,024 open-files limit (EMFILE: the query
+    refused, and the connections accepted meanwhile too). Each file past the ones kept is closed as the next opens."""
+    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", 2)
+    held = 2 + 2        # the two last queried; the file being written and its slot table's mapping
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    seen = []
+    walk = IndexFile.walk
+
+    def counted(self, *args):
+        seen.append(_open_index_files(tmp_path))
+        return walk(self, *args)
+    monkeypatch.setattr(IndexFile, "walk", counted)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40
+    assert len(seen) == len(svc.files) >= 10
+    assert max(seen) <= held, f"{max(seen)} index descriptors open at once in one query"
+    await svc.close()
+    await store.close()
