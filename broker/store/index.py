@@ -835,7 +835,11 @@ class IndexService:
         try:
             f.reopen()
         except OSError as exc:      # out of descriptors; removed under the broker (the next progress save rebuilds)
-            raise StoreError(f"index file {f.name} could not be opened for this query: {exc}") from exc
+            what = ("the broker's open files are at its limit: raise it (ulimit -n, systemd LimitNOFILE)"
+                    if exc.errno in (errno.EMFILE, errno.ENFILE) else
+                    f"removed under the broker: the index is rebuilt from the commit log within "
+                    f"{PROGRESS_EVERY_S:.0f} s; ask again" if exc.errno == errno.ENOENT else "ask again")
+            raise StoreError(f"index file {f.name} could not be opened for this query: {exc} ({what})") from exc
         self._queried[f] = None
         self._queried.move_to_end(f)
         # Here, not at the query's end: a window of every file (a stock client's 0 to Long.MAX_VALUE, a dead-letter

@@ -214,8 +214,9 @@ async def test_a_query_that_cannot_open_an_older_index_file_again_is_refused_nam
     oldest = svc.files[0]
     assert oldest.parked
     os.unlink(oldest.path)
-    with pytest.raises(StoreError, match=oldest.name):
+    with pytest.raises(StoreError, match=oldest.name) as refused:
         await svc.query("T", "k0", 64, 0, 2**62)
+    assert "rebuilt from the commit log" in str(refused.value)         # what to do: ask again after it
     assert len((await svc.query("T", "k39", 1, 0, 2**62)).found) == 1         # the thread serves on
     await svc.close()
     await store.close()
@@ -1497,5 +1498,28 @@ async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_th
     assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40
     assert len(seen) == len(svc.files) >= 10
     assert max(seen) <= held, f"{max(seen)} index descriptors open at once in one query"
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_query_out_of_descriptors_for_an_older_index_file_says_to_raise_the_limit(tmp_path, monkeypatch):
+    """An older file reopened at the process's open-files limit (EMFILE): the query is refused naming the file and
+    what to do about it, not only the errno."""
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    real = os.open
+
+    def out_of_descriptors(path, *args, **kw):
+        if str(path).startswith(str(tmp_path / "index")):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, *args, **kw)
+    monkeypatch.setattr(os, "open", out_of_descriptors)
+    with pytest.raises(StoreError, match=f"{svc.files[0].name}.*open-files limit|LimitNOFILE"):
+        await svc.query("T", "k0", 64, 0, 2**62)
+    monkeypatch.setattr(os, "open", real)
+    assert len((await svc.query("T", "k0", 64, 0, 2**62)).found) == 1      # the limit passed: answered again
     await svc.close()
     await store.close()
