@@ -179,6 +179,17 @@ def _open_index_files(tmp_path) -> int:
     return sum(path.startswith(index_dir) for path in _fd_paths().values())
 
 
+async def _restarted_with_older_files_parked(tmp_path, monkeypatch, kept=2):
+    """(store, service, descriptors it may hold on index files): 40 records over ~14 index files, the service
+    started again so the older files' descriptors are closed, OPEN_INDEX_FILES set to ``kept``."""
+    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", kept)
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    return store, svc, kept + 2     # the file being written and its slot table's mapping (mmap dups it)
+
+
 @bounded(20)
 async def test_older_index_files_hold_no_descriptor_beyond_the_ones_last_queried(tmp_path, monkeypatch):
     """Every index file kept its descriptor open for as long as it existed: ~86 files a day at 10k sends/s of two
@@ -1403,12 +1414,7 @@ async def test_older_index_files_a_failing_resume_keeps_stay_within_the_ones_las
     """A resume that cannot read the index files back (a file system turned read-only) keeps the ones it had; it
     forgot which older ones a query had opened again, and kept their descriptors open untracked: on a disk read-only
     for hours, a resume every 10 s and queries of time windows between, each file they read stayed open."""
-    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", 2)
-    held = 2 + 2        # the two last queried; the file being written and its slot table's mapping
-    store = await _store_with(tmp_path, 40)
-    svc = await _service(tmp_path, store)
-    await svc.close()
-    svc = await _service(tmp_path, store)
+    store, svc, held = await _restarted_with_older_files_parked(tmp_path, monkeypatch)
     svc.resume_every_s = 0
 
     def read_only(*args, **kw):
@@ -1482,12 +1488,7 @@ async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_th
     COMMIT's dead-letter lookup) opened every older file again and closed the ones past OPEN_INDEX_FILES only at its
     end: ~2,600 descriptors at once over 30 days of retention, past a 1,024 open-files limit (EMFILE: the query
     refused, and the connections accepted meanwhile too). Each file past the ones kept is closed as the next opens."""
-    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", 2)
-    held = 2 + 2        # the two last queried; the file being written and its slot table's mapping
-    store = await _store_with(tmp_path, 40)
-    svc = await _service(tmp_path, store)
-    await svc.close()
-    svc = await _service(tmp_path, store)
+    store, svc, held = await _restarted_with_older_files_parked(tmp_path, monkeypatch)
     seen = []
     walk = IndexFile.walk
 
@@ -1506,10 +1507,7 @@ async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_th
 async def test_a_query_out_of_descriptors_for_an_older_index_file_says_to_raise_the_limit(tmp_path, monkeypatch):
     """An older file reopened at the process's open-files limit (EMFILE): the query is refused naming the file and
     what to do about it, not only the errno."""
-    store = await _store_with(tmp_path, 40)
-    svc = await _service(tmp_path, store)
-    await svc.close()
-    svc = await _service(tmp_path, store)
+    store, svc, _held = await _restarted_with_older_files_parked(tmp_path, monkeypatch, kept=16)
     real = os.open
 
     def out_of_descriptors(path, *args, **kw):
