@@ -60,7 +60,11 @@ _SIZE_MAGIC = struct.Struct(">ii")
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 _I16 = struct.Struct(">h")
-_PROGRESS = struct.Struct(">qI")
+_PROGRESS = struct.Struct(">qI")        # covered, crc32 of it (what 4.9.8-era txmq wrote; still read)
+# covered, 1 if no index file was held when it was saved, crc32 of both. Without the flag a start that found no
+# file could not tell "removed" (``rm index/*``: rebuild from the log's start) from "never needed one" (no record
+# had a key or UNIQ_KEY: raw sends, clients that set none) and re-read the whole commit log at every start.
+_PROGRESS_FLAGGED = struct.Struct(">qBI")
 PROGRESS_FILE = "progress"
 PROGRESS_EVERY_S = 10.0        # each fsync writes back every slot-table page dirtied since the last (under
                                 # load, most of its 20 MB): once a second that cost the broker 2-5 us per send
@@ -91,6 +95,7 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)     # write errors that pass once the di
 _NOT_THE_FILE = (errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 CATCH_UP_SLICE = 2 * _CHUNK     # start-up catch-up bytes between two turns of the index thread's queue
 OPEN_SEGMENTS = 32              # segment descriptors the index thread keeps open (least recently read closed first)
+OPEN_INDEX_FILES = 16           # older index files' descriptors kept open (least recently queried closed first)
 LAG_MS = 10.0                   # how long a woken index thread lets dispatched records gather before it indexes them
 # A job on the index thread that has run this long (not its wait behind others): a write there hangs (the periodic
 # progress save's msync of the newest file or its index/progress write, on a hung disk or a stopped NFS). A query
@@ -139,6 +144,7 @@ class IndexService:
         self.refuse_ratio = refuse_ratio
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.files: list[IndexFile] = []
+        self._queried: collections.OrderedDict[IndexFile, None] = collections.OrderedDict()  # older files open
         self.covered = 0                # every record below is indexed (or has no key)
         self.rebuilt: list[str] = []    # files found damaged at start-up (removed and re-indexed)
         self._skip = -1                 # the newest entry's record: indexed already (at least in part) ...
@@ -324,10 +330,14 @@ class IndexService:
         if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
+        for f in self.files[:-1]:       # (a query opens one again: OPEN_INDEX_FILES)
+            f.park()
         # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
-        # with no entries behind it would skip the whole log before it.)
-        if not self.rebuilt and names:
-            start = max(start, min(self._read_progress(), log_end))
+        # with no entries behind it would skip the whole log before it -- unless it was saved with no file: then
+        # no record before it needed an entry, and a file made after it holds entries of records past it only.)
+        progress, without_files = self._read_progress()
+        if not self.rebuilt and (names or without_files):
+            start = max(start, min(progress, log_end))
         self.covered = start
         behind = log_end - start
         (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
@@ -349,16 +359,22 @@ class IndexService:
                 say("could not remove index file %s: %s", name, exc)
         self.rebuilt = list(names)
 
-    def _read_progress(self) -> int:
+    def _read_progress(self) -> tuple[int, bool]:
+        """(covered as saved, whether it was saved with no index file); (0, False) if none or damaged."""
         try:
             with open(os.path.join(self.directory, PROGRESS_FILE), "rb") as fh:
-                raw = fh.read(_PROGRESS.size + 1)
+                raw = fh.read(_PROGRESS_FLAGGED.size + 1)
         except OSError:
-            return 0
-        if len(raw) != _PROGRESS.size:
-            return 0
-        value, crc = _PROGRESS.unpack(raw)
-        return value if crc == zlib.crc32(raw[:8]) and value >= 0 else 0
+            return 0, False
+        if len(raw) == _PROGRESS.size:
+            (value, crc), without_files = _PROGRESS.unpack(raw), 0
+        elif len(raw) == _PROGRESS_FLAGGED.size:
+            value, without_files, crc = _PROGRESS_FLAGGED.unpack(raw)
+        else:
+            return 0, False
+        if crc != zlib.crc32(raw[:-4]) or value < 0:
+            return 0, False
+        return value, without_files == 1
 
     # ------------------------------------------------------------ the index thread
     def _main(self) -> None:
@@ -462,6 +478,9 @@ class IndexService:
             raise
         for f in kept:
             f.close()
+        # (Not before: failing, the older files kept open stay the ones the LRU closes. Forgotten at each attempt,
+        # a read-only disk's resume every 10 s between queries of time windows left every file they read open.)
+        self._queried.clear()
         self.failed = None
         self._catching_up = True
         end = self._seen_end
@@ -497,7 +516,7 @@ class IndexService:
                                         "under the running broker")
         if self.files:
             self.files[-1].sync()       # entries before the progress that says they exist
-        raw = struct.pack(">q", value)
+        raw = struct.pack(">qB", value, not self.files)
         raw += struct.pack(">I", zlib.crc32(raw))
         path = os.path.join(self.directory, PROGRESS_FILE)
         tmp = path + ".tmp"
@@ -629,6 +648,7 @@ class IndexService:
         if last is not None:
             last.release_slots()
             last.sync()
+            last.park()
             log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
         self.files.append(f)
         return f
@@ -790,6 +810,8 @@ class IndexService:
             if len(found) >= max_num or cut or budget.cut:  # before the first file too: a maxNum of 0 asks for
                 break                                       # nothing (RocketMQ)
             if f.count > 1 and f.time_matched(begin, end):
+                if i < len(files) - 1:
+                    self._reopened(f)
                 for phy in f.walk(h, begin, end, budget):   # every entry of the hash, not a count of them: see walk
                     if checks <= 0:
                         cut = True
@@ -807,6 +829,23 @@ class IndexService:
         last = files[-1] if files else None
         return QueryResult(found, (last.end_ts if last else 0), (last.end_phy if last else 0), cut,
                            self.covered if self.partial else None)
+
+    def _reopened(self, f: IndexFile) -> None:
+        """An older file a query reads: opened again if parked, the last OPEN_INDEX_FILES queried kept open."""
+        try:
+            f.reopen()
+        except OSError as exc:      # out of descriptors; removed under the broker (the next progress save rebuilds)
+            what = ("the broker's open files are at its limit: raise it (ulimit -n, systemd LimitNOFILE)"
+                    if exc.errno in (errno.EMFILE, errno.ENFILE) else
+                    f"removed under the broker: the index is rebuilt from the commit log within "
+                    f"{PROGRESS_EVERY_S:.0f} s; ask again" if exc.errno == errno.ENOENT else "ask again")
+            raise StoreError(f"index file {f.name} could not be opened for this query: {exc} ({what})") from exc
+        self._queried[f] = None
+        self._queried.move_to_end(f)
+        # Here, not at the query's end: a window of every file (a stock client's 0 to Long.MAX_VALUE, a dead-letter
+        # lookup) held each older file open at once until then, thousands past an open-files limit of 1,024.
+        while len(self._queried) > OPEN_INDEX_FILES:
+            self._queried.popitem(last=False)[0].park()     # (not f: the newest in the list)
 
     def _said_cut(self, topic: str, key: str, found: int) -> None:
         self.queries_cut += 1
@@ -839,6 +878,7 @@ class IndexService:
         gone = []
         while len(self.files) > 1 and self.files[0].end_phy < min_offset:
             f = self.files.pop(0)
+            self._queried.pop(f, None)
             f.remove()
             gone.append(f.name)
         for start in [s for s in self._fds if s + self.seg_size <= min_offset]:

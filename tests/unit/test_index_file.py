@@ -8,12 +8,14 @@ import os
 import shutil
 import struct
 import threading
+import zlib
 
 import pytest
 
 from broker.store import MessageStore, PutRequest, StoreConfig
 from broker.store import index as index_mod
 from broker.store.index import IndexService, record_keys
+from protocol.errors import StoreError
 from broker.store.index_file import ENTRY, ENTRY_SIZE, HEADER, IndexCorrupt, IndexFile, file_size, key_hash
 from tests.support.bounded import bounded
 
@@ -156,6 +158,77 @@ async def test_service_catches_up_rolls_files_and_finds_every_key(tmp_path):
     # live dispatches after open, then a key added across a file boundary
     res = await store.put(PutRequest.build("T", b"y", properties={"KEYS": "late"}))
     assert (await svc.query("T", "late", 64, 0, 2**62))[0] == [res.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+def _fd_paths() -> dict[str, str]:
+    """This process's descriptors and what each names (from /proc/self/fd; one closed meanwhile left out)."""
+    paths = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            paths[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return paths
+
+
+def _open_index_files(tmp_path) -> int:
+    """Descriptors this process holds on files of ``tmp_path/index``."""
+    index_dir = str(tmp_path / "index") + os.sep
+    return sum(path.startswith(index_dir) for path in _fd_paths().values())
+
+
+async def _restarted_with_older_files_parked(tmp_path, monkeypatch, kept=2):
+    """(store, service, descriptors it may hold on index files): 40 records over ~14 index files, the service
+    started again so the older files' descriptors are closed, OPEN_INDEX_FILES set to ``kept``."""
+    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", kept)
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    return store, svc, kept + 2     # the file being written and its slot table's mapping (mmap dups it)
+
+
+@bounded(20)
+async def test_older_index_files_hold_no_descriptor_beyond_the_ones_last_queried(tmp_path, monkeypatch):
+    """Every index file kept its descriptor open for as long as it existed: ~86 files a day at 10k sends/s of two
+    keys, ~2,600 descriptors over 30 days of retention, beside the segments and connections under one open-files
+    limit. Now the file being written and the OPEN_INDEX_FILES last queried; a query reopens the others."""
+    monkeypatch.setattr(index_mod, "OPEN_INDEX_FILES", 2)
+    held = 2 + 2        # the two last queried; the file being written and its slot table's mapping (mmap dups it)
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40      # every file read once
+    files = len(svc.files)
+    assert files >= 10 and _open_index_files(tmp_path) <= held     # (15 for 14 files before)
+    await svc.close()
+    svc = await _service(tmp_path, store)                                       # a start opens each file once
+    assert _open_index_files(tmp_path) == 1
+    for i in range(40):
+        assert len((await svc.query("T", f"k{i}", 64, 0, 2**62)).found) == 1
+        assert _open_index_files(tmp_path) <= held
+    assert len(svc.files) == files
+    await svc.close()
+    assert _open_index_files(tmp_path) == 0
+    await store.close()
+
+
+@bounded(20)
+async def test_a_query_that_cannot_open_an_older_index_file_again_is_refused_naming_it(tmp_path):
+    """An older file's descriptor is closed (OPEN_INDEX_FILES): one removed under the broker cannot be opened
+    again, and the query is answered SYSTEM_ERROR naming it (StoreError) -- not a traceback of the dispatcher."""
+    store = await _store_with(tmp_path, 40)
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    svc = await _service(tmp_path, store)
+    oldest = svc.files[0]
+    assert oldest.parked
+    os.unlink(oldest.path)
+    with pytest.raises(StoreError, match=oldest.name) as refused:
+        await svc.query("T", "k0", 64, 0, 2**62)
+    assert "rebuilt from the commit log" in str(refused.value)         # what to do: ask again after it
+    assert len((await svc.query("T", "k39", 1, 0, 2**62)).found) == 1         # the thread serves on
     await svc.close()
     await store.close()
 
@@ -637,6 +710,41 @@ async def test_index_files_removed_while_stopped_with_the_progress_left_are_rebu
     await store.close()
 
 
+@bounded(20)
+async def test_a_log_of_records_without_keys_is_not_read_again_at_every_start(tmp_path):
+    """Records with no KEYS and no UNIQ_KEY (raw sends, a client that sets none) need no entry, so no index file
+    was ever made; a start that found no file took it for ``rm index/*``, ignored the progress and re-read the whole
+    commit log -- at every start (232,000 bytes of 2,000 such sends on a real broker, each restart). A progress
+    saved with no file says so; the index files removed with the progress left are still rebuilt (test above)."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)          # after the start's catch-up
+    await svc.close()
+    assert [n for n in os.listdir(tmp_path / "index") if n.isdigit()] == []
+    svc = await _service(tmp_path, store)
+    assert svc.covered == store.max_physical_offset     # nothing to catch up
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "later"}))
+    assert (await svc.query("T", "later", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_progress_file_of_the_earlier_format_is_still_read(tmp_path):
+    """The progress as txmq wrote it before it said whether a file was held (a value and its crc32): still taken."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    raw = struct.pack(">q", store.max_physical_offset)
+    (tmp_path / "index" / index_mod.PROGRESS_FILE).write_bytes(raw + struct.pack(">I", zlib.crc32(raw)))
+    assert svc._read_progress() == (store.max_physical_offset, False)
+    await store.close()
+
+
 class _Said(logging.Handler):
     """An asyncio event set (from any thread) when a record saying ``words`` is logged."""
 
@@ -962,7 +1070,9 @@ async def test_the_index_thread_keeps_a_bounded_number_of_segments_open(tmp_path
     opened = set(os.listdir(f"/proc/{os.getpid()}/fd"))
     res = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))
     assert (await asyncio.wait_for(svc.query("T", "late", 64, 0, 2**62), 10))[0] == [res.physical_offset]
-    assert len(set(os.listdir(f"/proc/{os.getpid()}/fd")) - opened) <= 4
+    # (less the index files' own, which a query opens again: OPEN_INDEX_FILES)
+    index_dir = str(tmp_path / "index") + os.sep
+    assert len({fd for fd, path in _fd_paths().items() if fd not in opened and not path.startswith(index_dir)}) <= 4
     await svc.close()
     await store.close()
 
@@ -1297,3 +1407,117 @@ async def test_a_batch_cut_to_one_entry_by_a_nearly_full_file_indexes_the_rest_o
     finally:
         await svc.close()
         await store.close()
+
+
+@bounded(20)
+async def test_older_index_files_a_failing_resume_keeps_stay_within_the_ones_last_queried(tmp_path, monkeypatch):
+    """A resume that cannot read the index files back (a file system turned read-only) keeps the ones it had; it
+    forgot which older ones a query had opened again, and kept their descriptors open untracked: on a disk read-only
+    for hours, a resume every 10 s and queries of time windows between, each file they read stayed open."""
+    store, svc, held = await _restarted_with_older_files_parked(tmp_path, monkeypatch)
+    svc.resume_every_s = 0
+
+    def read_only(*args, **kw):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(IndexFile, "put_many", read_only)
+    monkeypatch.setattr(IndexFile, "open", read_only)
+    await store.put(PutRequest.build("T", b"z", properties={"KEYS": "lost"}))
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40     # two older files left open
+    for _ in range(3):              # queries of a window no file is in (1 ms): resumes tried, no file read
+        await svc.query("T", "shared", 64, 1, 1)
+    open_older = {f.name for f in svc.files[:-1] if not f.parked}
+    assert open_older and open_older <= {f.name for f in svc._queried}, "open older files the LRU forgot"
+    most = 0
+    for i in range(40):             # each query a turn of the index thread: the resume tried, and failing
+        assert len((await svc.query("T", f"k{i}", 64, 0, 2**62)).found) == 1
+        most = max(most, _open_index_files(tmp_path))
+    assert svc.stopped and "Read-only" in svc.failed
+    assert most <= held, f"{most} index descriptors open"
+    await svc.close()
+    assert _open_index_files(tmp_path) == 0
+    await store.close()
+
+
+@bounded(20)
+async def test_index_files_made_after_a_progress_saved_with_none_and_then_removed_are_rebuilt(tmp_path):
+    """A progress saved with no index file lets a start that finds none take it; once a keyed record made a file,
+    the next save must clear that flag, or ``rm index/*`` then would be taken for "never needed one" and the keyed
+    records before the progress never found again."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.close()                   # saved with no file
+    svc = await _service(tmp_path, store)
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "kept"}))
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("T", b"y" * 100))).ok
+    assert (await svc.query("T", "kept", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()                   # saved past the keyed record, a file held
+    assert svc._read_progress() == (store.max_physical_offset, False)
+    for name in os.listdir(tmp_path / "index"):
+        if name.isdigit():
+            os.unlink(tmp_path / "index" / name)
+    svc = await _service(tmp_path, store)
+    assert (await svc.query("T", "kept", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_damaged_progress_with_no_index_file_is_caught_up_from_the_start(tmp_path):
+    """A 13-byte progress torn (a byte cut) or of a wrong crc is not taken: a start with no index file reads the
+    log from its start (nothing skipped on a flag it cannot trust)."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    path = tmp_path / "index" / index_mod.PROGRESS_FILE
+    raw = path.read_bytes()
+    assert len(raw) == 13 and svc._read_progress() == (store.max_physical_offset, True)
+    for bad in (raw[:12], raw[:8] + b"\x02" + raw[9:], raw[:-1] + bytes([raw[-1] ^ 1])):
+        path.write_bytes(bad)
+        assert svc._read_progress() == (0, False)
+    await store.close()
+
+
+@bounded(20)
+async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_them_open(tmp_path, monkeypatch):
+    """A query of a window that holds every file (a stock client's queryMsgByKey: 0 to Long.MAX_VALUE; a late
+    COMMIT's dead-letter lookup) opened every older file again and closed the ones past OPEN_INDEX_FILES only at its
+    end: ~2,600 descriptors at once over 30 days of retention, past a 1,024 open-files limit (EMFILE: the query
+    refused, and the connections accepted meanwhile too). Each file past the ones kept is closed as the next opens."""
+    store, svc, held = await _restarted_with_older_files_parked(tmp_path, monkeypatch)
+    seen = []
+    walk = IndexFile.walk
+
+    def counted(self, *args):
+        seen.append(_open_index_files(tmp_path))
+        return walk(self, *args)
+    monkeypatch.setattr(IndexFile, "walk", counted)
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40
+    assert len(seen) == len(svc.files) >= 10
+    assert max(seen) <= held, f"{max(seen)} index descriptors open at once in one query"
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_a_query_out_of_descriptors_for_an_older_index_file_says_to_raise_the_limit(tmp_path, monkeypatch):
+    """An older file reopened at the process's open-files limit (EMFILE): the query is refused naming the file and
+    what to do about it, not only the errno."""
+    store, svc, _held = await _restarted_with_older_files_parked(tmp_path, monkeypatch, kept=16)
+    real = os.open
+
+    def out_of_descriptors(path, *args, **kw):
+        if str(path).startswith(str(tmp_path / "index")):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, *args, **kw)
+    monkeypatch.setattr(os, "open", out_of_descriptors)
+    with pytest.raises(StoreError, match=f"{svc.files[0].name}.*open-files limit|LimitNOFILE"):
+        await svc.query("T", "k0", 64, 0, 2**62)
+    monkeypatch.setattr(os, "open", real)
+    assert len((await svc.query("T", "k0", 64, 0, 2**62)).found) == 1      # the limit passed: answered again
+    await svc.close()
+    await store.close()
