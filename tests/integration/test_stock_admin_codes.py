@@ -1022,3 +1022,50 @@ async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(
         assert again.code == ResponseCode.SUCCESS         # (each slot given back)
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_correction_offset_is_the_least_offset_of_the_groups_not_filtered_out(broker):
+    """QUERY_CORRECTION_OFFSET (308; MQClientAPIImpl.queryCorrectionOffset) was REQUEST_CODE_NOT_SUPPORTED.
+    Answered as AdminBrokerProcessor.queryCorrectionOffset (rocketmq-all-4.9.8, lines 1201-1225): per queue the
+    least offset of the groups holding offsets on the topic, those in filterGroups left out; compareGroup changes
+    nothing (4.9.8 looks it up with topic and group swapped). The groups filtered out keep their offsets (4.9.8
+    removes them from its offset table)."""
+    assert (await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {
+        "topic": "CorrT", "readQueueNums": 3, "writeQueueNums": 3, "perm": 6})).code == ResponseCode.SUCCESS
+    conn = await _connect(broker.broker)
+    try:
+        for qid in (0, 1):
+            for i in range(6):
+                reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
+                    "a": "PG_corr", "b": "CorrT", "c": "TBW102", "d": 3, "e": qid, "f": 0, "g": 0, "h": 0,
+                    "i": "", "j": 0}, f"m{i}".encode()), 5)
+                assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        for group, qid, offset in (("CG_corr_a", 0, 4), ("CG_corr_a", 1, 2), ("CG_corr_b", 0, 3),
+                                   ("CG_corr_b", 1, 5), ("CG_corr_slow", 0, 1), ("CG_corr_slow", 1, 1)):
+            reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": "CorrT", "queueId": qid, "commitOffset": offset}), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+        async def correction(fields: dict) -> dict:
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CORRECTION_OFFSET, fields), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+            body = json.loads(reply.body_bytes())
+            assert list(body) == ["correctionOffsets"]
+            return {int(q): o for q, o in body["correctionOffsets"].items()}
+
+        # the client's set of groups to filter out, joined with commas; queue 2 has no offset and is left out
+        assert await correction({"topic": "CorrT", "compareGroup": "CG_corr_a",
+                                 "filterGroups": "CG_corr_slow,CG_other"}) == {0: 3, 1: 2}
+        assert await correction({"topic": "CorrT", "compareGroup": "CG_corr_a"}) == {0: 1, 1: 1}
+        assert await correction({"topic": "CorrT", "compareGroup": "CG_corr_a",
+                                 "filterGroups": "CG_corr_a,CG_corr_b,CG_corr_slow"}) == {}
+        for qid in (0, 1):      # filtered out, still held
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_corr_slow", "topic": "CorrT", "queueId": qid}), 5)
+            assert (reply.code, reply.ext_fields.get("offset")) == (ResponseCode.SUCCESS, "1"), reply.remark
+        assert await correction({"topic": "NoSuchCorrT", "compareGroup": "CG_corr_a"}) == {}
+        missing = await conn.request(RemotingCommand.request(R.QUERY_CORRECTION_OFFSET, {"topic": "CorrT"}), 5)
+        assert missing.code != ResponseCode.SUCCESS and "compareGroup" in missing.remark, missing.remark
+    finally:
+        conn.close()
