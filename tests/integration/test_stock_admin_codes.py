@@ -471,20 +471,52 @@ async def test_a_consumer_whose_status_does_not_read_is_logged_at_most_every_10_
 
 @bounded(60)
 async def test_a_txmq_consumer_says_at_once_what_it_does_not_serve(broker):
-    """txmq's own consumer left requests it does not serve unanswered: mqadmin consumerStatus on it waited the
-    broker's 10 s (the tool's own 5 s first), getConsumerStatus 5 s, each holding a forwarded request's place.
-    It answers REQUEST_CODE_NOT_SUPPORTED, passed back at once; getConsumerStatus leaves it out at once."""
+    """txmq's own consumer left requests it does not serve unanswered: the broker passing an operator's request on
+    waited its 10 s (the tool's own 5 s first), holding a forwarded request's place. A pull consumer handed a
+    message directly (CONSUME_MESSAGE_DIRECTLY: a Java pull consumer fails it too) answers
+    REQUEST_CODE_NOT_SUPPORTED, passed back at once."""
     async with Producer(broker.namesrv, "PG_txmq_consumer") as producer:
-        await producer.send("Orders", b"x")
+        sent = await producer.send("Orders", b"x")
     async with PullConsumer(broker.namesrv, "CG_txmq") as consumer:
         await consumer.subscribe("Orders")
-        fields = {"consumerGroup": "CG_txmq", "clientId": consumer.client_id, "jstackEnable": "false"}
-        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)      # (5 s: the tool's)
-        assert info.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED, info.remark
+        direct = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {
+            "consumerGroup": "CG_txmq", "clientId": consumer.client_id, "msgId": sent.offset_msg_id})   # (5 s)
+        assert direct.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED, direct.remark
+
+
+@bounded(60)
+async def test_a_txmq_pull_consumer_answers_running_info_and_status_as_a_java_one(broker):
+    """mqadmin consumerStatus (307) and getConsumerStatus (223, passed on as 221) on a group of txmq pull
+    consumers: each answered REQUEST_CODE_NOT_SUPPORTED, so consumerStatus failed and getConsumerStatus left the
+    consumer out. Answered as DefaultMQPullConsumerImpl: its properties (CONSUME_ACTIVELY) and subscriptions, no
+    queue; its offsets of the topic, the last it committed."""
+    async with Producer(broker.namesrv, "PG_pull_status") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_pull_status") as consumer:
+        await consumer.subscribe("Orders", "TagA || TagB")
+        mqs = await consumer.fetch_queues("Orders")
+        await consumer.commit_offset(mqs[0], 1)
+        await consumer.commit_offset(mqs[-1], 0, oneway=True)
+        fields = {"consumerGroup": "CG_pull_status", "clientId": consumer.client_id, "jstackEnable": "false"}
+        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
+        assert (info.code, info.remark) == (ResponseCode.SUCCESS, None)
+        obj, table = decode_mq_table(info.body_bytes(), "mqTable")
+        assert list(obj) == ["mqTable", "properties", "statusTable", "subscriptionSet"] and table == {}
+        props = obj["properties"]
+        assert (props["PROP_CONSUME_TYPE"], props["consumerGroup"]) == ("CONSUME_ACTIVELY", "CG_pull_status")
+        assert props["PROP_NAMESERVER_ADDR"] == broker.namesrv + ";" and int(props["PROP_CONSUMER_START_TIMESTAMP"])
+        [sub] = obj["subscriptionSet"]
+        assert (sub["topic"], sub["tagsSet"]) == ("Orders", ["TagA", "TagB"])
+        other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, {**fields, "consumerGroup": "CG_other"})
+        assert other.code == ResponseCode.SYSTEM_ERROR
         status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
-                               {"topic": "Orders", "group": "CG_txmq"})
+                               {"topic": "Orders", "group": "CG_pull_status"})
+        assert status.code == ResponseCode.SUCCESS, status.remark
         obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
-        assert status.code == ResponseCode.SUCCESS and obj["consumerTable"] == {}
+        [(cid, offsets)] = obj["consumerTable"].items()
+        assert cid == consumer.client_id
+        committed = {(mqs[0].topic, mqs[0].queue_id): 1, (mqs[-1].topic, mqs[-1].queue_id): 0}
+        assert {(json.loads(k)["topic"], json.loads(k)["queueId"]): v for k, v in offsets.items()} == committed
 
 
 @bounded(60)
