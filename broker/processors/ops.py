@@ -264,10 +264,14 @@ def query_correction_offset(ctx, conn, cmd):
     cmd.str_field("compareGroup", required=True)
     left_out = {g for g in (cmd.str_field("filterGroups") or "").split(",") if g}
     least: dict[int, int] = {}
-    for group in sorted(ctx.offsets.groups_of(topic) - left_out):
+    first: dict[int, int] = {}      # each queue's first offset, looked up once, not once a group
+    for group in ctx.offsets.groups_of(topic) - left_out:
         for qid, offset in ctx.offsets.of(group, topic).items():
-            if offset >= ctx.store.min_offset(topic, qid):
-                least[qid] = min(offset, least.get(qid, offset))
+            floor = first.get(qid)
+            if floor is None:
+                floor = first[qid] = ctx.store.min_offset(topic, qid)
+            if offset >= floor and offset < least.get(qid, offset + 1):
+                least[qid] = offset
     return cmd.response(ResponseCode.SUCCESS, body=dump(
         {"correctionOffsets": {str(qid): offset for qid, offset in least.items()}}).encode())
 
