@@ -186,7 +186,11 @@ class PullConsumer:
         # fn(topic) -> {MQ: offset} GET_CONSUMER_STATUS_FROM_CLIENT answers (a push consumer's replaces this pull
         # consumer's: the offsets it last committed, as a Java pull consumer answers its offset store's)
         self.consumer_status = self._committed_of
-        self._committed: dict[MessageQueue, int] = {}   # the last offset commit_offset sent of each queue
+        # each queue's offset of the last commit_offset call that went through, with the call's number: calls
+        # side by side reach the broker in the order they are made and it holds the later, whichever answer
+        # comes back last (an answered one's comes after a oneway one made after it is sent)
+        self._committed: dict[MessageQueue, tuple[int, int]] = {}
+        self._commit_calls = 0
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self) -> "PullConsumer":
@@ -253,8 +257,13 @@ class PullConsumer:
         return encode_consumer_running_info(props, subs, {}, thread_stacks() if jstack else None)
 
     def _committed_of(self, topic: str) -> dict:
-        return {(mq.topic, mq.broker_name, mq.queue_id): offset for mq, offset in self._committed.items()
+        return {(mq.topic, mq.broker_name, mq.queue_id): offset for mq, (_, offset) in self._committed.items()
                 if mq.topic == topic}
+
+    def _committed_now(self, mq: MessageQueue, call: int, offset: int) -> None:
+        """``offset`` went through for ``mq`` in commit_offset call number ``call``: kept unless a later one has."""
+        if call > self._committed.get(mq, (0, 0))[0]:
+            self._committed[mq] = (call, offset)
 
     def _on_consume_directly(self, cmd):
         """CONSUME_MESSAGE_DIRECTLY (mqadmin queryMsgById -g -d, the dashboard's resend): the stored record the
@@ -591,6 +600,8 @@ class PullConsumer:
         line of its first offsets' journal, one fsync: a few ms whatever the size of its offsets table; the commits
         side by side, ``asyncio.gather``, share the fsync; a disk that cannot take it: SYSTEM_ERROR "... not
         saved")."""
+        self._commit_calls += 1
+        call = self._commit_calls
         if oneway:
             addr = await self._broker_addr(mq)
             try:
@@ -602,13 +613,13 @@ class PullConsumer:
                 # the route's age refetched it, not to the slave the route names while it is gone
                 self._unreachable(mq)
                 raise
-            self._committed[mq] = offset
+            self._committed_now(mq, call, offset)
             return
         resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
                                        commitOffset=offset)
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
-        self._committed[mq] = offset
+        self._committed_now(mq, call, offset)
 
     async def consumer_ids(self, mq: MessageQueue) -> list[str]:
         """Client ids of the group's live consumers, as ``mq``'s broker knows them."""

@@ -1101,3 +1101,25 @@ async def test_correction_offset_is_the_least_offset_of_the_groups_not_filtered_
         assert missing.code != ResponseCode.SUCCESS and "compareGroup" in missing.remark, missing.remark
     finally:
         conn.close()
+
+
+@bounded(60)
+async def test_a_pull_consumers_status_is_the_offset_its_broker_holds_after_commits_side_by_side(broker):
+    """A pull consumer's 221 answer is the offset it last committed: two commits of one queue side by side (an
+    answered one, then a oneway one) reach the broker in that order, and the broker holds the later; the answered
+    one's reply comes back after the oneway one is written, so the offset recorded last was the earlier."""
+    async with Producer(broker.namesrv, "PG_pull_race") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_pull_race") as consumer:
+        await consumer.subscribe("Orders")
+        mqs = await consumer.fetch_queues("Orders")
+        for round_ in range(5):
+            await asyncio.gather(consumer.commit_offset(mqs[0], 10 * round_ + 1),
+                                 consumer.commit_offset(mqs[0], 10 * round_ + 2, oneway=True))
+            held = await consumer.fetch_offset(mqs[0])       # (answered: after the oneway on the connection)
+            status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                                   {"topic": "Orders", "group": "CG_pull_race"})
+            obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
+            [(_, offsets)] = obj["consumerTable"].items()
+            reported = {json.loads(k)["queueId"]: v for k, v in offsets.items()}
+            assert (held, reported) == (10 * round_ + 2, {mqs[0].queue_id: held}), round_
