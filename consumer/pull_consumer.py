@@ -18,11 +18,14 @@ import json
 import logging
 import os
 import socket
+import sys
+import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from protocol.admin_bodies import decode_mq_table, encode_client_consumer_status
+from protocol.admin_bodies import decode_mq_table, encode_client_consumer_status, encode_consumer_running_info
 from protocol.codes import Perm, PullSysFlag, RequestCode, ResponseCode, SysFlag
 from protocol.command import RemotingCommand
 from protocol.connection import ConnectionPool
@@ -104,6 +107,13 @@ class MessageSelector:
                 "subVersion": version, "expressionType": self.expression_type, "classFilterMode": False}
 
 
+def thread_stacks() -> str:
+    """Every thread's stack, as a Java consumer's jstack (GET_CONSUMER_RUNNING_INFO with jstackEnable)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"{names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+                     for ident, frame in sys._current_frames().items())
+
+
 def as_selector(expression: "str | MessageSelector") -> MessageSelector:
     return expression if isinstance(expression, MessageSelector) else MessageSelector.by_tag(expression)
 
@@ -166,14 +176,21 @@ class PullConsumer:
         self._sub_version = 0           # the last heartbeat's subVersion: each one's is later (heartbeat)
         self.on_ids_changed = None
         self.on_reset_offset = None     # fn(topic, {MessageQueue: offset}) on RESET_CONSUMER_CLIENT_OFFSET
-        # fn(jstack: bool) -> the ConsumerRunningInfo body of GET_CONSUMER_RUNNING_INFO (a push consumer's; a pull
-        # consumer has no process queues to say and answers it REQUEST_CODE_NOT_SUPPORTED)
-        self.running_info = None
+        # fn(jstack: bool) -> the ConsumerRunningInfo body of GET_CONSUMER_RUNNING_INFO (a push consumer's replaces
+        # this pull consumer's: its properties and subscriptions, no queues, as DefaultMQPullConsumerImpl's)
+        self.running_info = self._running_info
+        self._created_ms = int(time.time() * 1000)      # (PROP_CONSUMER_START_TIMESTAMP of a pull consumer)
         # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's),
         # or a str: why it was not consumed (answered SYSTEM_ERROR)
         self.consume_directly = None
-        # fn(topic) -> the GetConsumerStatusBody of GET_CONSUMER_STATUS_FROM_CLIENT (a push consumer's offsets)
-        self.consumer_status = None
+        # fn(topic) -> {MQ: offset} GET_CONSUMER_STATUS_FROM_CLIENT answers (a push consumer's replaces this pull
+        # consumer's: the offsets it last committed, as a Java pull consumer answers its offset store's)
+        self.consumer_status = self._committed_of
+        # each queue's offset of the last commit_offset call that went through, with the call's number: calls
+        # side by side reach the broker in the order they are made and it holds the later, whichever answer
+        # comes back last (an answered one's comes after a oneway one made after it is sent)
+        self._committed: dict[MessageQueue, tuple[int, int]] = {}
+        self._commit_calls = 0
         self.reset_offsets: dict[MessageQueue, int] = {}   # the last offsets a broker reset, by queue
 
     async def __aenter__(self) -> "PullConsumer":
@@ -222,6 +239,31 @@ class PullConsumer:
             return other
         jstack = str(cmd.ext_fields.get("jstackEnable", "false")).lower() == "true"
         return cmd.response(ResponseCode.SUCCESS, body=self.running_info(jstack))
+
+    def running_props(self, consume_type: str, started_ms: int) -> dict[str, str]:
+        """The ConsumerRunningInfo properties every Java consumer has (MQClientInstance.consumerRunningInfo adds the
+        PROP_ ones to the consumer's own): a push consumer adds its settings."""
+        return {"consumerGroup": self.group, "instanceName": self.client_id.split("@")[-1],
+                "PROP_NAMESERVER_ADDR": "".join(f"{a};" for a in self.namesrv_addrs),
+                "PROP_CONSUME_TYPE": consume_type, "PROP_CONSUMER_START_TIMESTAMP": str(started_ms),
+                "PROP_CLIENT_VERSION": "V4_9_8"}
+
+    def _running_info(self, jstack: bool) -> bytes:
+        """A pull consumer's ConsumerRunningInfo, as DefaultMQPullConsumerImpl.consumerRunningInfo: its properties
+        and subscriptions, no queue (it holds none: its owner pulls). Answered REQUEST_CODE_NOT_SUPPORTED,
+        mqadmin consumerStatus failed on a group of txmq pull consumers."""
+        props = {**self.running_props("CONSUME_ACTIVELY", self._created_ms), "messageModel": "CLUSTERING"}
+        subs = [as_selector(e).subscription_data(t, self._sub_version) for t, e in self.subscriptions.items()]
+        return encode_consumer_running_info(props, subs, {}, thread_stacks() if jstack else None)
+
+    def _committed_of(self, topic: str) -> dict:
+        return {(mq.topic, mq.broker_name, mq.queue_id): offset for mq, (_, offset) in self._committed.items()
+                if mq.topic == topic}
+
+    def _committed_now(self, mq: MessageQueue, call: int, offset: int) -> None:
+        """``offset`` went through for ``mq`` in commit_offset call number ``call``: kept unless a later one has."""
+        if call > self._committed.get(mq, (0, 0))[0]:
+            self._committed[mq] = (call, offset)
 
     def _on_consume_directly(self, cmd):
         """CONSUME_MESSAGE_DIRECTLY (mqadmin queryMsgById -g -d, the dashboard's resend): the stored record the
@@ -558,6 +600,8 @@ class PullConsumer:
         line of its first offsets' journal, one fsync: a few ms whatever the size of its offsets table; the commits
         side by side, ``asyncio.gather``, share the fsync; a disk that cannot take it: SYSTEM_ERROR "... not
         saved")."""
+        self._commit_calls += 1
+        call = self._commit_calls
         if oneway:
             addr = await self._broker_addr(mq)
             try:
@@ -569,11 +613,13 @@ class PullConsumer:
                 # the route's age refetched it, not to the slave the route names while it is gone
                 self._unreachable(mq)
                 raise
+            self._committed_now(mq, call, offset)
             return
         resp = await self._offset_call(RequestCode.UPDATE_CONSUMER_OFFSET, mq, consumerGroup=self.group,
                                        commitOffset=offset)
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
+        self._committed_now(mq, call, offset)
 
     async def consumer_ids(self, mq: MessageQueue) -> list[str]:
         """Client ids of the group's live consumers, as ``mq``'s broker knows them."""

@@ -28,10 +28,7 @@ import enum
 import inspect
 import json
 import logging
-import sys
-import threading
 import time
-import traceback
 from typing import Any, Callable
 
 from protocol.admin_bodies import encode_consumer_running_info
@@ -43,7 +40,7 @@ from protocol.signature import Credentials
 
 from .offset_store import DEFAULT_DIR, BrokerOffsetStore, LocalOffsetStore
 from .pull_consumer import (DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSelector, PullConsumer, PullStatus,
-                            as_selector)
+                            as_selector, thread_stacks)
 from .rebalance import allocate_averagely
 
 _JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: retried in place for good
@@ -75,13 +72,6 @@ class ConsumeStatus(enum.Enum):
 # consume_from -> the consumeFromWhere a heartbeat says (ConsumeFromWhere's names)
 _CONSUME_FROM = {"first": "CONSUME_FROM_FIRST_OFFSET", "last": "CONSUME_FROM_LAST_OFFSET",
                  "timestamp": "CONSUME_FROM_TIMESTAMP"}
-
-
-def thread_stacks() -> str:
-    """Every thread's stack, as a Java consumer's jstack (GET_CONSUMER_RUNNING_INFO with jstackEnable)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    return "\n".join(f"{names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
-                     for ident, frame in sys._current_frames().items())
 
 
 class PushConsumer:
@@ -412,12 +402,9 @@ class PushConsumer:
         orderly, start time), the subscriptions, and a ProcessQueueInfo of each queue this consumer holds. Left
         unanswered (REQUEST_CODE_NOT_SUPPORTED), consumerStatus and consumerProgress -s failed on a txmq consumer."""
         now_wall, now_mono = time.time() * 1000, time.monotonic()
-        props = {"consumerGroup": self.group, "messageModel": self.message_model,
+        props = {**self.client.running_props("CONSUME_PASSIVELY", self._started_ms), "messageModel": self.message_model,
                  "consumeFromWhere": _CONSUME_FROM[self.consume_from], "consumeTimestamp": str(self.consume_timestamp_ms),
-                 "maxReconsumeTimes": str(self.max_reconsume_times), "instanceName": self.client.client_id.split("@")[-1],
-                 "PROP_NAMESERVER_ADDR": "".join(f"{a};" for a in self.client.namesrv_addrs),
-                 "PROP_CONSUME_TYPE": "CONSUME_PASSIVELY", "PROP_CONSUMEORDERLY": str(self.orderly).lower(),
-                 "PROP_CONSUMER_START_TIMESTAMP": str(self._started_ms), "PROP_CLIENT_VERSION": "V4_9_8"}
+                 "maxReconsumeTimes": str(self.max_reconsume_times), "PROP_CONSUMEORDERLY": str(self.orderly).lower()}
         subs = [as_selector(e).subscription_data(t, self.client.sub_version)
                 for t, e in self.client.subscriptions.items()]
         queues = {}

@@ -60,6 +60,7 @@ def broker_table() -> dict:
         R.VIEW_BROKER_STATS_DATA: stats.view_broker_stats_data,
         R.QUERY_TOPIC_CONSUME_BY_WHO: ops.query_topic_consume_by_who,
         R.QUERY_CONSUME_TIME_SPAN: ops.query_consume_time_span,
+        R.QUERY_CORRECTION_OFFSET: ops.query_correction_offset,
         R.GET_ALL_SUBSCRIPTIONGROUP_CONFIG: ops.get_all_subscription_group,
         R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP: ops.update_and_create_subscription_group,
         R.DELETE_SUBSCRIPTIONGROUP: ops.delete_subscription_group,

@@ -245,8 +245,10 @@ async def test_a_hand_over_before_the_first_commit_round_commits_its_queues_side
     await first.start()
     try:
         await everyone.wait()       # every queue's loop started (at 0, stored nowhere) and consumed its message
-        await second.start()        # (its heartbeat names it to the broker: the group has two members)
+        # counted from before the second member starts: the broker's notice of it (NOTIFY_CONSUMER_IDS_CHANGED) can
+        # start the first's hand-over while second.start() is awaited, which, counted only after, counted no commit
         commits = _commits_in_flight(first)
+        await second.start()        # (its heartbeat names it to the broker: the group has two members)
         await first.rebalance()     # (or the broker's notice of the new member began it): returns once handed over
         await asyncio.gather(*first._handovers)
         given, most = queues - len(first._owned), commits[1]

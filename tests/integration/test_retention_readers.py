@@ -46,6 +46,16 @@ async def _until_removed(b, below: int) -> None:
         await asyncio.sleep(0.1)
 
 
+async def _fill_until_removed(b, group: str, topic: str):
+    """About 600 KB sent to one queue of ``topic``, then until retention removed its first two segments: its queue."""
+    async with Producer(b.namesrv, group) as producer:
+        mq = (await producer.send(topic, b"m" * 1000)).queue
+        for _ in range(0, 600, 50):
+            await asyncio.gather(*(producer.send(topic, b"m" * 1000, queue=mq) for _ in range(50)))
+    await _until_removed(b, 2 * SEGMENT)
+    return mq
+
+
 def _scrape(b, name: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5) as resp:
         text = resp.read().decode()
@@ -110,11 +120,7 @@ async def test_a_broadcasting_consumer_moved_past_removed_messages_is_counted_th
     past the minimum): one that asks past 0 and below the minimum was there, and lost what is between."""
     b = broker_factory(*EXPIRING)
     async with asyncio.timeout(60):
-        async with Producer(b.namesrv, "PG_bcast") as producer:
-            mq = (await producer.send("Bcast", b"m" * 1000)).queue
-            for _ in range(0, 600, 50):
-                await asyncio.gather(*(producer.send("Bcast", b"m" * 1000, queue=mq) for _ in range(50)))
-        await _until_removed(b, 2 * SEGMENT)
+        mq = await _fill_until_removed(b, "PG_bcast", "Bcast")
         async with PullConsumer(b.namesrv, "CG_bcast") as consumer:
             await consumer.fetch_queues("Bcast")
             res = await consumer.pull(mq, 5)            # its local offset: 5 read, then it fell behind
@@ -256,3 +262,29 @@ async def test_a_deleted_topics_mark_goes_once_retention_removed_its_records_not
         b.start()
         assert await stored_count(b.broker, "Reborn", 4) == 5
         assert sorted(p.name for p in cq_root.iterdir() if p.name.startswith(("Doomed", "Reborn"))) == ["Reborn"]
+
+
+async def test_a_correction_offset_leaves_out_an_offset_retention_went_past(broker_factory):
+    """QUERY_CORRECTION_OFFSET (308) takes, per queue, the least offset of the groups holding offsets on the topic,
+    but not one below the queue's first message (ConsumerOffsetManager.queryMinOffsetInAllGroup: entry >=
+    getMinOffsetInQueue): a group left behind by retention does not hold the correction back to messages gone."""
+    b = broker_factory(*EXPIRING)
+    async with asyncio.timeout(60):
+        mq = await _fill_until_removed(b, "PG_corr_behind", "CorrBehind")
+        pool = ConnectionPool()
+        try:
+            async def call(code, fields):
+                return await pool.request(b.broker, RemotingCommand.request(code, fields), 5.0)
+
+            first = int((await call(RequestCode.GET_MIN_OFFSET, {"topic": "CorrBehind", "queueId": mq.queue_id}))
+                        .ext_fields["offset"])
+            assert first > 5
+            for group, offset in (("CG_corr_gone", 5), ("CG_corr_first", first), ("CG_corr_later", first + 3)):
+                reply = await call(RequestCode.UPDATE_CONSUMER_OFFSET, {
+                    "consumerGroup": group, "topic": "CorrBehind", "queueId": mq.queue_id, "commitOffset": offset})
+                assert reply.code == 0, reply.remark
+            reply = await call(RequestCode.QUERY_CORRECTION_OFFSET, {"topic": "CorrBehind", "compareGroup": "x"})
+            assert reply.code == 0, reply.remark
+            assert json.loads(reply.body_bytes()) == {"correctionOffsets": {str(mq.queue_id): first}}    # (>=)
+        finally:
+            await pool.close()

@@ -471,20 +471,52 @@ async def test_a_consumer_whose_status_does_not_read_is_logged_at_most_every_10_
 
 @bounded(60)
 async def test_a_txmq_consumer_says_at_once_what_it_does_not_serve(broker):
-    """txmq's own consumer left requests it does not serve unanswered: mqadmin consumerStatus on it waited the
-    broker's 10 s (the tool's own 5 s first), getConsumerStatus 5 s, each holding a forwarded request's place.
-    It answers REQUEST_CODE_NOT_SUPPORTED, passed back at once; getConsumerStatus leaves it out at once."""
+    """txmq's own consumer left requests it does not serve unanswered: the broker passing an operator's request on
+    waited its 10 s (the tool's own 5 s first), holding a forwarded request's place. A pull consumer handed a
+    message directly (CONSUME_MESSAGE_DIRECTLY: a Java pull consumer fails it too) answers
+    REQUEST_CODE_NOT_SUPPORTED, passed back at once."""
     async with Producer(broker.namesrv, "PG_txmq_consumer") as producer:
-        await producer.send("Orders", b"x")
+        sent = await producer.send("Orders", b"x")
     async with PullConsumer(broker.namesrv, "CG_txmq") as consumer:
         await consumer.subscribe("Orders")
-        fields = {"consumerGroup": "CG_txmq", "clientId": consumer.client_id, "jstackEnable": "false"}
-        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)      # (5 s: the tool's)
-        assert info.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED, info.remark
+        direct = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {
+            "consumerGroup": "CG_txmq", "clientId": consumer.client_id, "msgId": sent.offset_msg_id})   # (5 s)
+        assert direct.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED, direct.remark
+
+
+@bounded(60)
+async def test_a_txmq_pull_consumer_answers_running_info_and_status_as_a_java_one(broker):
+    """mqadmin consumerStatus (307) and getConsumerStatus (223, passed on as 221) on a group of txmq pull
+    consumers: each answered REQUEST_CODE_NOT_SUPPORTED, so consumerStatus failed and getConsumerStatus left the
+    consumer out. Answered as DefaultMQPullConsumerImpl: its properties (CONSUME_ACTIVELY) and subscriptions, no
+    queue; its offsets of the topic, the last it committed."""
+    async with Producer(broker.namesrv, "PG_pull_status") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_pull_status") as consumer:
+        await consumer.subscribe("Orders", "TagA || TagB")
+        mqs = await consumer.fetch_queues("Orders")
+        await consumer.commit_offset(mqs[0], 1)
+        await consumer.commit_offset(mqs[-1], 0, oneway=True)
+        fields = {"consumerGroup": "CG_pull_status", "clientId": consumer.client_id, "jstackEnable": "false"}
+        info = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, fields)
+        assert (info.code, info.remark) == (ResponseCode.SUCCESS, None)
+        obj, table = decode_mq_table(info.body_bytes(), "mqTable")
+        assert list(obj) == ["mqTable", "properties", "statusTable", "subscriptionSet"] and table == {}
+        props = obj["properties"]
+        assert (props["PROP_CONSUME_TYPE"], props["consumerGroup"]) == ("CONSUME_ACTIVELY", "CG_pull_status")
+        assert props["PROP_NAMESERVER_ADDR"] == broker.namesrv + ";" and int(props["PROP_CONSUMER_START_TIMESTAMP"])
+        [sub] = obj["subscriptionSet"]
+        assert (sub["topic"], sub["tagsSet"]) == ("Orders", ["TagA", "TagB"])
+        other = await request(broker.broker, R.GET_CONSUMER_RUNNING_INFO, {**fields, "consumerGroup": "CG_other"})
+        assert other.code == ResponseCode.SYSTEM_ERROR
         status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
-                               {"topic": "Orders", "group": "CG_txmq"})
+                               {"topic": "Orders", "group": "CG_pull_status"})
+        assert status.code == ResponseCode.SUCCESS, status.remark
         obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
-        assert status.code == ResponseCode.SUCCESS and obj["consumerTable"] == {}
+        [(cid, offsets)] = obj["consumerTable"].items()
+        assert cid == consumer.client_id
+        committed = {(mqs[0].topic, mqs[0].queue_id): 1, (mqs[-1].topic, mqs[-1].queue_id): 0}
+        assert {(json.loads(k)["topic"], json.loads(k)["queueId"]): v for k, v in offsets.items()} == committed
 
 
 @bounded(60)
@@ -1022,3 +1054,72 @@ async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(
         assert again.code == ResponseCode.SUCCESS         # (each slot given back)
     finally:
         conn.close()
+
+
+@bounded(30)
+async def test_correction_offset_is_the_least_offset_of_the_groups_not_filtered_out(broker):
+    """QUERY_CORRECTION_OFFSET (308; MQClientAPIImpl.queryCorrectionOffset) was REQUEST_CODE_NOT_SUPPORTED.
+    Answered as AdminBrokerProcessor.queryCorrectionOffset (rocketmq-all-4.9.8, lines 1201-1225): per queue the
+    least offset of the groups holding offsets on the topic, those in filterGroups left out; compareGroup changes
+    nothing (4.9.8 looks it up with topic and group swapped). The groups filtered out keep their offsets (4.9.8
+    removes them from its offset table)."""
+    assert (await request(broker.broker, R.UPDATE_AND_CREATE_TOPIC, {
+        "topic": "CorrT", "readQueueNums": 3, "writeQueueNums": 3, "perm": 6})).code == ResponseCode.SUCCESS
+    conn = await _connect(broker.broker)
+    try:
+        for qid in (0, 1):
+            for i in range(6):
+                reply = await conn.request(RemotingCommand.request(R.SEND_MESSAGE_V2, {
+                    "a": "PG_corr", "b": "CorrT", "c": "TBW102", "d": 3, "e": qid, "f": 0, "g": 0, "h": 0,
+                    "i": "", "j": 0}, f"m{i}".encode()), 5)
+                assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+        for group, qid, offset in (("CG_corr_a", 0, 4), ("CG_corr_a", 1, 2), ("CG_corr_b", 0, 3),
+                                   ("CG_corr_b", 1, 5), ("CG_corr_slow", 0, 1), ("CG_corr_slow", 1, 1)):
+            reply = await conn.request(RemotingCommand.request(R.UPDATE_CONSUMER_OFFSET, {
+                "consumerGroup": group, "topic": "CorrT", "queueId": qid, "commitOffset": offset}), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+
+        async def correction(fields: dict) -> dict:
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CORRECTION_OFFSET, fields), 5)
+            assert reply.code == ResponseCode.SUCCESS, (reply.code, reply.remark)
+            body = json.loads(reply.body_bytes())
+            assert list(body) == ["correctionOffsets"]
+            return {int(q): o for q, o in body["correctionOffsets"].items()}
+
+        # the client's set of groups to filter out, joined with commas; queue 2 has no offset and is left out
+        assert await correction({"topic": "CorrT", "compareGroup": "CG_corr_a",
+                                 "filterGroups": "CG_corr_slow,CG_other"}) == {0: 3, 1: 2}
+        assert await correction({"topic": "CorrT", "compareGroup": "CG_corr_a"}) == {0: 1, 1: 1}
+        assert await correction({"topic": "CorrT", "compareGroup": "CG_corr_a",
+                                 "filterGroups": "CG_corr_a,CG_corr_b,CG_corr_slow"}) == {}
+        for qid in (0, 1):      # filtered out, still held
+            reply = await conn.request(RemotingCommand.request(R.QUERY_CONSUMER_OFFSET, {
+                "consumerGroup": "CG_corr_slow", "topic": "CorrT", "queueId": qid}), 5)
+            assert (reply.code, reply.ext_fields.get("offset")) == (ResponseCode.SUCCESS, "1"), reply.remark
+        assert await correction({"topic": "NoSuchCorrT", "compareGroup": "CG_corr_a"}) == {}
+        missing = await conn.request(RemotingCommand.request(R.QUERY_CORRECTION_OFFSET, {"topic": "CorrT"}), 5)
+        assert missing.code != ResponseCode.SUCCESS and "compareGroup" in missing.remark, missing.remark
+    finally:
+        conn.close()
+
+
+@bounded(60)
+async def test_a_pull_consumers_status_is_the_offset_its_broker_holds_after_commits_side_by_side(broker):
+    """A pull consumer's 221 answer is the offset it last committed: two commits of one queue side by side (an
+    answered one, then a oneway one) reach the broker in that order, and the broker holds the later; the answered
+    one's reply comes back after the oneway one is written, so the offset recorded last was the earlier."""
+    async with Producer(broker.namesrv, "PG_pull_race") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_pull_race") as consumer:
+        await consumer.subscribe("Orders")
+        mqs = await consumer.fetch_queues("Orders")
+        for round_ in range(5):
+            await asyncio.gather(consumer.commit_offset(mqs[0], 10 * round_ + 1),
+                                 consumer.commit_offset(mqs[0], 10 * round_ + 2, oneway=True))
+            held = await consumer.fetch_offset(mqs[0])       # (answered: after the oneway on the connection)
+            status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                                   {"topic": "Orders", "group": "CG_pull_race"})
+            obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
+            [(_, offsets)] = obj["consumerTable"].items()
+            reported = {json.loads(k)["queueId"]: v for k, v in offsets.items()}
+            assert (held, reported) == (10 * round_ + 2, {mqs[0].queue_id: held}), round_
