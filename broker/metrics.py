@@ -306,6 +306,10 @@ class BrokerMetrics:
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
         self._marks: dict[int, tuple[float, dict]] = {}    # id(metric) at its limit -> (when, {labels: reading})
         self._folded: dict[str, int] = {}       # scrape-time gauge -> its rows under OTHER at its last collect
+        # Consumer groups deleted (DELETE_SUBSCRIPTIONGROUP) whose offsets were kept (no removeOffset): their lag is
+        # left out of the gauges and snapshots until the group is known again (a consumer, or its config made
+        # again); the server drops a name once it is, or once the group holds no offset (Server._lag_counted).
+        self.deleted_groups: set[str] = set()
         self.monotonic = time.monotonic
 
     def child(self, metric, *labels):
@@ -375,6 +379,7 @@ class BrokerMetrics:
         """forget_consumer_group of each, in one walk of the series (a slave forgets its master's deleted groups
         together: SlaveSync)."""
         self._forget_out(lambda labels: labels[1] in groups)
+        self.deleted_groups |= groups
         # labels (consumer group) alone: kept, a deleted group's count stayed in every scrape, and went on from it
         # when a group of its name came again
         self._forget_series((self.stale_subscriptions,), lambda labels: labels[0] in groups)

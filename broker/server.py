@@ -785,10 +785,15 @@ class BrokerServer:
         read: dict[str, frozenset | None] = {}
         clients = self.ctx.clients
         slave = ha_roles.is_slave(self.config)
+        deleted = self.metrics.deleted_groups
+        if deleted:     # a group deleted with its offsets kept: its lag goes with it until it comes again
+            holding = self.ctx.offsets.groups()
+            deleted -= {g for g in deleted if g not in holding or self._known_group(g)}
 
         def counted(group: str, topic: str) -> bool:
             if group not in read:
-                read[group] = frozenset() if slave and not clients.online(group) else clients.topics_read(group)
+                read[group] = frozenset() if (slave and not clients.online(group)) or group in deleted else \
+                    clients.topics_read(group)
             return read[group] is None or topic in read[group]
         return counted
 
