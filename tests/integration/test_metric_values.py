@@ -167,3 +167,29 @@ async def test_a_deleted_group_leaves_every_family_of_the_scrape_until_it_comes_
             assert m[lag] == 5 - read
     m = await asyncio.to_thread(_scrape, broker)            # its consumer gone again: its lag stays
     assert (lag in m) is not remove_offset
+
+
+@bounded(60)
+async def test_a_deleted_group_committing_again_without_a_heartbeat_has_its_lag_back(broker_factory):
+    """A group deleted with its offsets kept stayed out of the lag until a consumer of it connected or
+    updateSubGroup made it again: one whose client only commits (UPDATE_CONSUMER_OFFSET, no heartbeat, as before
+    the delete, when its lag was exported) had its lag hidden for as long as the broker ran, growing unseen. A
+    commit of the group is it in use again: its lag is back from the next scrape."""
+    broker = broker_factory()
+    async with Producer(broker.namesrv, "PG_lag_back") as producer:
+        for i in range(3):
+            await producer.send("LagBack", b"m%d" % i)
+    async with PullConsumer(broker.namesrv, "CG_lag_back") as consumer:
+        mqs = await consumer.fetch_queues("LagBack")
+        for mq in mqs:
+            await consumer.commit_offset(mq, 0)
+    lag = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_lag_back"), ("topic", "LagBack")))
+    assert (await asyncio.to_thread(_scrape, broker))[lag] == 3
+    await _delete_group(broker, "CG_lag_back", False)
+    assert lag not in await asyncio.to_thread(_scrape, broker)
+    async with PullConsumer(broker.namesrv, "CG_lag_back") as consumer:     # commits again, no heartbeat
+        for mq in mqs:
+            await consumer.commit_offset(mq, 0)
+    async with Producer(broker.namesrv, "PG_lag_back") as producer:
+        await producer.send("LagBack", b"after")
+    assert (await asyncio.to_thread(_scrape, broker))[lag] == 4
