@@ -10,6 +10,7 @@ One broker on a fresh store (a temporary directory, removed at the end), then ea
 | groups    | a consumer group that comes and goes: heartbeat (its %RETRY% topic made), pull, commit     |
 | topics    | a topic made (UPDATE_AND_CREATE_TOPIC), sent to, an offset committed on it, then deleted   |
 | subgroups | UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, a commit, DELETE_SUBSCRIPTIONGROUP with removeOffset   |
+| deletes   | the groups phase's group i deleted without removeOffset (deleteSubGroup without -r)        |
 
 After each phase: VmRSS, the /metrics page's bytes and samples (and which families changed), the milliseconds a
 step took on average. At the end: the config files' sizes and the seconds a restart took to its LISTENING line.
@@ -112,6 +113,9 @@ async def _step(broker, admin, phase: str, i: int) -> None:
         await _ok(admin, _commit(group, "Churn"))
         await _ok(admin, RemotingCommand.request(R.DELETE_SUBSCRIPTIONGROUP, {"groupName": group,
                                                                               "removeOffset": "true"}))
+    elif phase == "deletes":      # after groups: its gone groups cleaned up, their offsets kept
+        await _ok(admin, RemotingCommand.request(R.DELETE_SUBSCRIPTIONGROUP, {"groupName": f"CG_churn{i}",
+                                                                              "removeOffset": "false"}))
     else:
         raise SystemExit(f"unknown phase {phase!r}")
 

@@ -306,6 +306,11 @@ class BrokerMetrics:
         self._made: dict[int, int] = {}                                # id(metric) -> label sets made by child()
         self._marks: dict[int, tuple[float, dict]] = {}    # id(metric) at its limit -> (when, {labels: reading})
         self._folded: dict[str, int] = {}       # scrape-time gauge -> its rows under OTHER at its last collect
+        # Consumer groups deleted (DELETE_SUBSCRIPTIONGROUP) whose offsets were kept (no removeOffset): their lag is
+        # left out of the gauges and snapshots until the group is known again (a consumer, its config made
+        # again: Server._lag_counted drops the name) or an offset of it is committed (group_in_use). A name
+        # holding no offset is not kept (delete_subscription_group).
+        self.deleted_groups: set[str] = set()
         self.monotonic = time.monotonic
 
     def child(self, metric, *labels):
@@ -375,9 +380,18 @@ class BrokerMetrics:
         """forget_consumer_group of each, in one walk of the series (a slave forgets its master's deleted groups
         together: SlaveSync)."""
         self._forget_out(lambda labels: labels[1] in groups)
+        self.deleted_groups |= groups
         # labels (consumer group) alone: kept, a deleted group's count stayed in every scrape, and went on from it
         # when a group of its name came again
         self._forget_series((self.stale_subscriptions,), lambda labels: labels[0] in groups)
+
+    def group_in_use(self, group: str) -> None:
+        """An offset of ``group`` committed (by its client, a pull's commit, a reset or clone): a group deleted with
+        its offsets kept is in use again, its lag counted from the next scrape. Left out until a consumer connected
+        or updateSubGroup made it again, a client that only commits (no heartbeat, as before the delete, when its
+        lag was exported) had its lag hidden for as long as the broker ran."""
+        if self.deleted_groups:
+            self.deleted_groups.discard(group)
 
     def _forget_out(self, match) -> None:
         # labels (topic, consumer group)

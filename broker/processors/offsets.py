@@ -70,6 +70,7 @@ def update_consumer_offset(ctx, conn, cmd):
         refused = ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid)
         if refused is not None:
             return cmd.response(ResponseCode.SYSTEM_ERROR, refused)
+    ctx.metrics.group_in_use(group)
     moved_from = None if cmd.is_oneway else _moved_by_another(ctx, conn, group, topic, qid, offset)
     first = (moved_from is None and offset is not None and not cmd.is_oneway
              and not ctx.offsets.has(group, topic, qid))

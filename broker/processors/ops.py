@@ -442,6 +442,8 @@ async def delete_subscription_group(ctx, conn, cmd):
     if remove_offset:
         ctx.offsets.remove_group(group)
     ctx.metrics.forget_consumer_group(group)
+    if group not in ctx.offsets.groups():   # nothing of it left to count: not kept (made-up names)
+        ctx.metrics.deleted_groups.discard(group)
     log.warning("subscription group %s deleted by %s (%s%s)", group, _peer(conn),
                 "configured" if existed else "not configured", ", offsets removed" if remove_offset else "")
     reply = await _saved(ctx, cmd, f"subscription group {group} deleted") if existed else cmd.response(
@@ -529,6 +531,7 @@ async def reset_offset(ctx, conn, cmd):
         ctx.offsets.commit(group, topic, qid, offset)
     notified = 0
     if table:       # (with nothing to move no consumer is told: a Java one pauses some 10 s when it is)
+        ctx.metrics.group_in_use(group)     # (a group deleted with its offsets kept: its lag counted again)
         notified = _notify_reset(ctx, group, topic, timestamp, force, table, cmd.language == LanguageCode.CPP)
     log.warning("[reset-offset] group %s topic %s to timestamp %d (force=%s) by %s: %s; %d consumers told",
                 group, topic, timestamp, force, _peer(conn), {q: o for (_t, _b, q), o in table.items()}, notified)
@@ -579,6 +582,7 @@ async def clone_group_offset(ctx, conn, cmd):
             ctx.offsets.commit(dest, t, qid, offset, peer_host(conn))
         cloned[t] = offsets
         unyielded += len(offsets)
+        ctx.metrics.group_in_use(dest)
     done = (f"offsets of group {src} cloned to {dest}: {sum(map(len, cloned.values()))} offsets on "
             f"{_topics_said(cloned)}" if cloned else f"no offset of group {src} cloned to {dest}: it holds none on "
             + (f"topic {topic}" if topic else "any topic") + " here"

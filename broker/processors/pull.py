@@ -306,6 +306,7 @@ def handle_pull(ctx, conn, cmd, woken: bool = False):
         if (commit is not None and commit >= 0 and group != PROGRESS_GROUP      # (the broker's own: see offsets.py)
                 and ctx.limits.may_commit(conn, ctx.offsets, group, topic, qid) is None):
             ctx.offsets.commit(group, topic, qid, commit, peer_host(conn))
+            ctx.metrics.group_in_use(group)
     got = ctx.store.get_messages(topic, qid, offset, max_nums, _MAX_BYTES, sub.tag_filter(), record_filter)
     # RocketMQ holds every PULL_NOT_FOUND that may be suspended (a queue never written included).
     if sys_flag & PullSysFlag.SUSPEND and not woken and _code(cmd, got.status) == ResponseCode.PULL_NOT_FOUND:

@@ -106,3 +106,90 @@ async def test_every_exported_family_has_a_row_in_the_readme_metrics_table(broke
     rows = "\n".join(line for line in readme.splitlines() if line.startswith("| `"))
     assert len(families) > 40
     assert sorted(f for f in families if f"`{f}`" not in rows) == []
+
+
+def _group_series(m: dict, group: str) -> dict:
+    return {k: v for k, v in m.items() if ("consumer_group", group) in k[1]}
+
+
+async def _delete_group(broker, group: str, remove_offset: bool) -> None:
+    host, _, port = broker.broker.rpartition(":")
+    conn = await open_connection(host, int(port))
+    try:
+        resp = await conn.request(RemotingCommand.request(RequestCode.DELETE_SUBSCRIPTIONGROUP, {
+            "groupName": group, "removeOffset": str(remove_offset).lower()}), 5.0)
+    finally:
+        conn.close()
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+
+
+@bounded(60)
+@pytest.mark.parametrize("remove_offset", [False, True], ids=["offsets-kept", "offsets-removed"])
+async def test_a_deleted_group_leaves_every_family_of_the_scrape_until_it_comes_back(broker_factory, remove_offset):
+    """DELETE_SUBSCRIPTIONGROUP without removeOffset (mqadmin deleteSubGroup without -r; RocketMQ keeps the offsets
+    then) dropped the group's delivery series but left rocketmq_consumer_lag_messages, computed from the offsets
+    kept: the deleted group's lag stayed in every scrape for as long as the broker ran, growing with each send, and
+    a lag alert on it fired for good for a group the operator had deleted. Gone from the next scrape now, in every
+    family; back (from its kept offset) once a consumer of the group comes again."""
+    broker = broker_factory()
+    async with Producer(broker.namesrv, "PG_lag_gone") as producer:
+        for i in range(4):
+            await producer.send("LagGone", b"m%d" % i)
+    async with PullConsumer(broker.namesrv, "CG_lag_gone") as consumer:
+        mqs = [mq for mq in await consumer.fetch_queues("LagGone")]
+        read = 0
+        for mq in mqs:
+            result = await consumer.pull(mq, 0)
+            found = len(result.messages or [])
+            if found and not read:      # one queue read and committed; the rest committed at 0: lag 4 - found
+                await consumer.commit_offset(mq, result.next_begin_offset)
+                read = found
+            else:
+                await consumer.commit_offset(mq, 0)
+    m = await asyncio.to_thread(_scrape, broker)
+    lag = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_lag_gone"), ("topic", "LagGone")))
+    assert m[lag] == 4 - read
+    assert m[("rocketmq_messages_out_total", (("consumer_group", "CG_lag_gone"), ("topic", "LagGone")))] == 4
+    await _delete_group(broker, "CG_lag_gone", remove_offset)
+    m = await asyncio.to_thread(_scrape, broker)
+    assert _group_series(m, "CG_lag_gone") == {}
+    async with Producer(broker.namesrv, "PG_lag_gone") as producer:     # still gone after more sends
+        await producer.send("LagGone", b"after")
+    m = await asyncio.to_thread(_scrape, broker)
+    assert _group_series(m, "CG_lag_gone") == {}
+
+    async with PullConsumer(broker.namesrv, "CG_lag_gone") as consumer:     # the group comes again
+        await consumer.subscribe("LagGone")
+        m = await asyncio.to_thread(_scrape, broker)
+        if remove_offset:
+            assert lag not in m
+        else:
+            assert m[lag] == 5 - read
+    m = await asyncio.to_thread(_scrape, broker)            # its consumer gone again: its lag stays
+    assert (lag in m) is not remove_offset
+
+
+@bounded(60)
+async def test_a_deleted_group_committing_again_without_a_heartbeat_has_its_lag_back(broker_factory):
+    """A group deleted with its offsets kept stayed out of the lag until a consumer of it connected or
+    updateSubGroup made it again: one whose client only commits (UPDATE_CONSUMER_OFFSET, no heartbeat, as before
+    the delete, when its lag was exported) had its lag hidden for as long as the broker ran, growing unseen. A
+    commit of the group is it in use again: its lag is back from the next scrape."""
+    broker = broker_factory()
+    async with Producer(broker.namesrv, "PG_lag_back") as producer:
+        for i in range(3):
+            await producer.send("LagBack", b"m%d" % i)
+    async with PullConsumer(broker.namesrv, "CG_lag_back") as consumer:
+        mqs = await consumer.fetch_queues("LagBack")
+        for mq in mqs:
+            await consumer.commit_offset(mq, 0)
+    lag = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_lag_back"), ("topic", "LagBack")))
+    assert (await asyncio.to_thread(_scrape, broker))[lag] == 3
+    await _delete_group(broker, "CG_lag_back", False)
+    assert lag not in await asyncio.to_thread(_scrape, broker)
+    async with PullConsumer(broker.namesrv, "CG_lag_back") as consumer:     # commits again, no heartbeat
+        for mq in mqs:
+            await consumer.commit_offset(mq, 0)
+    async with Producer(broker.namesrv, "PG_lag_back") as producer:
+        await producer.send("LagBack", b"after")
+    assert (await asyncio.to_thread(_scrape, broker))[lag] == 4

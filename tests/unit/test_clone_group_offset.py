@@ -26,7 +26,8 @@ def test_a_clone_of_every_topic_of_a_big_group_lets_the_loop_run_between_slices(
         offsets=offsets, topics=types.SimpleNamespace(get=lambda t: object()),
         clients=types.SimpleNamespace(reads_elsewhere=lambda g, t: False),
         limits=types.SimpleNamespace(offsets_full=lambda *a: None, warn=lambda *a: None),
-        metrics=types.SimpleNamespace(offset_moves_deferred=types.SimpleNamespace(inc=lambda: None)))
+        metrics=types.SimpleNamespace(offset_moves_deferred=types.SimpleNamespace(inc=lambda: None),
+                                      group_in_use=lambda group: None))
     cmd = RemotingCommand.request(RequestCode.CLONE_GROUP_OFFSET, {"srcGroup": "src", "destGroup": "dst"})
     conn = types.SimpleNamespace(peer=("127.0.0.1", 1), remote_addr="127.0.0.1:1")
     run = clone_group_offset(ctx, conn, cmd)

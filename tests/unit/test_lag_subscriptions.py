@@ -62,3 +62,32 @@ def test_the_groups_own_retry_topic_counts_whatever_its_members_name():
     _beat(clients, _Conn(), "G", "T")
     assert not clients.reads_elsewhere("G", "%RETRY%G") and not clients.reads_elsewhere("G", "T")
     assert clients.reads_elsewhere("G", "%RETRY%H")
+
+
+def test_deleted_groups_are_looked_at_in_the_lag_walk_once_a_group_not_all_at_each_call(tmp_path):
+    """A group deleted with its offsets kept (deleteSubGroup without -r) is left out of the lag until it is known
+    again. _lag_counted walked every deleted name at each call, the gauge loop's every second and each scrape's:
+    100,000 such groups (one client's max_offsets_per_host, each deleted without removeOffset) held the loop some
+    40-55 ms every second, unsliced, for as long as the broker ran. Each is looked at in the lag's own walk
+    (sliced), once a group; a group known again (a consumer connected) is counted and its name dropped."""
+    import types
+
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+    server = BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
+    clients = ClientRegistry(lambda: 0)
+    server.ctx = types.SimpleNamespace(clients=clients, subscriptions=types.SimpleNamespace(groups={}),
+                                       offsets=types.SimpleNamespace(groups=lambda: {f"G{i}": {} for i in range(4)}))
+    looked: list[str] = []
+    known = server._known_group
+    server._known_group = lambda g: looked.append(g) or known(g)
+    server.metrics.deleted_groups |= {f"G{i}" for i in range(10_000)}
+    counted = server._lag_counted()
+    assert looked == []                                     # nothing walked at the call
+    _beat(clients, _Conn(), "G1", "T")                      # G1 back: a consumer of it connected
+    assert not counted("G0", "T") and not counted("G0", "T")
+    assert counted("G1", "T")
+    assert looked == ["G0", "G1"]                           # once a group
+    assert "G1" not in server.metrics.deleted_groups and "G0" in server.metrics.deleted_groups
+    clients.connection_closed(next(iter(clients.consumers["G1"].channels)))
+    assert server._lag_counted()("G1", "T")                 # its consumer gone again: still counted

@@ -122,3 +122,29 @@ def test_a_snapshot_encoded_in_slices_reads_back_as_the_snapshot():
                      {"ts": 1, "consumer_lag": rows[:metrics_mod._ROWS_A_CALL]}, {"ts": 1, "consumer_lag": []}):
         line = metrics_mod._encode(snapshot)
         assert "\n" not in line and json.loads(line) == snapshot
+
+
+def test_deleting_made_up_groups_keeps_no_name_and_a_group_holding_offsets_one():
+    """deleted_groups holds the groups deleted with their offsets kept (their lag left out until they come back).
+    Every deleted name went in, the ones holding no offset (made-up names: any client may delete 100,000 a minute,
+    answered SUCCESS) dropped only by a walk of them all. A name holding no offset is not kept at all."""
+    import asyncio
+    import types
+
+    from broker.processors.ops import delete_subscription_group
+    from protocol.codes import RequestCode
+    from protocol.command import RemotingCommand
+
+    m = BrokerMetrics()
+    holding = {"CG_real": {"T": [0]}}
+    ctx = types.SimpleNamespace(config=types.SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=m,
+                                subscriptions=types.SimpleNamespace(delete=lambda g: False),
+                                offsets=types.SimpleNamespace(groups=holding.keys))
+
+    async def deletes():
+        for group in [f"CG_made_up{i}" for i in range(1000)] + ["CG_real"]:
+            reply = await delete_subscription_group(ctx, None, RemotingCommand.request(
+                RequestCode.DELETE_SUBSCRIPTIONGROUP, {"groupName": group, "removeOffset": "false"}))
+            assert reply.code == 0, reply.remark
+    asyncio.run(deletes())
+    assert m.deleted_groups == {"CG_real"}
