@@ -245,10 +245,8 @@ class IndexFile:
         """Close the descriptor of a file no longer written (its header is held here); a read opens it again.
         Open for as long as each file existed, one descriptor a file: ~86 files a day at 10k sends/s of two keys,
         ~2,600 over 30 days of retention, beside the segments' and the connections' under one open-files limit."""
-        self.release_slots()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd >= 0:                # (fd closed: its slot table was released with it)
+            self.close()
             self._parked = True
 
     @property
