@@ -120,6 +120,10 @@ async def get_broker_consume_stats(ctx, conn, cmd):
     room = ctx.config.max_frame_size - _RESPONSE_HEAD_ROOM
     for group in await sorted_in_slices(known, CONSUME_STATS_SLICE * 4, conn):
         read += 1       # (a group with no offset is a member of the body too)
+        if read >= CONSUME_STATS_SLICE:         # (50,000 groups holding no offset turn the loop too)
+            read = 0
+            await asyncio.sleep(0)
+            stop_if_gone(conn)
         stats = []
         size += len(group) + 8
         for t in ctx.offsets.topics_of(group):
