@@ -925,7 +925,7 @@ class BrokerServer:
         pruned_day = None
         paused = False
         # Said once a failure run (a file system turned read-only failed both at every interval for ever)
-        failing = {"write": False, "prune": False}
+        write_failing = prune_failing = False
         disk = self.ctx.store.disk
         while True:
             await asyncio.sleep(self.config.metrics_snapshot_interval_s)
@@ -945,12 +945,12 @@ class BrokerServer:
                 try:
                     await self.write_snapshot(store_dir)
                 except OSError as exc:
-                    log.log(logging.DEBUG if failing["write"] else logging.ERROR,
+                    log.log(logging.DEBUG if write_failing else logging.ERROR,
                             "metric snapshot not written: %s (said once until one is)", exc)
-                    failing["write"] = True
+                    write_failing = True
                 else:
-                    if failing["write"]:
-                        failing["write"] = False
+                    if write_failing:
+                        write_failing = False
                         log.warning("metric snapshots written again")
             # The files are named by the UTC date of the wall clock; which are old is judged by the time that passed
             # since the start as well. By the wall clock alone, a step days ahead (a VM's host, a bad NTP source)
@@ -964,11 +964,11 @@ class BrokerServer:
                         log.info("metric snapshot file %s removed (older than metrics_snapshot_retention_days=%d)",
                                  path, keep)
                     pruned_day = day
-                    failing["prune"] = False
+                    prune_failing = False
                 except OSError as exc:
-                    log.log(logging.DEBUG if failing["prune"] else logging.ERROR,
+                    log.log(logging.DEBUG if prune_failing else logging.ERROR,
                             "old metric snapshot files not removed: %s (tried again each interval, said once)", exc)
-                    failing["prune"] = True
+                    prune_failing = True
 
     async def write_snapshot(self, store_dir: str) -> str:
         # A row per consumer offset: built, encoded and appended in one go, 32,000 of them held the loop

@@ -22,7 +22,7 @@ from protocol.txlog import PROGRESS_GROUP
 
 from ..store.disk import human_bytes
 from ..limits import at_most, peer_host
-from ..slices import members_in_slices, stop_if_gone
+from ..slices import members_in_slices, sorted_in_slices, stop_if_gone
 from ..subscriptions import SYSTEM_GROUPS, retry_queues
 from ..topics import RETRY_PREFIX, is_system_topic
 from .admin import refused_on_slave, topics_saved
@@ -118,8 +118,12 @@ async def get_broker_consume_stats(ctx, conn, cmd):
     known = set(ctx.clients.consumers).union(ctx.offsets.groups(), ctx.subscriptions.groups, SYSTEM_GROUPS)
     entries, total_diff, read, size = [], 0, 0, 0
     room = ctx.config.max_frame_size - _RESPONSE_HEAD_ROOM
-    for group in sorted(known):
+    for group in await sorted_in_slices(known, CONSUME_STATS_SLICE * 4, conn):
         read += 1       # (a group with no offset is a member of the body too)
+        if read >= CONSUME_STATS_SLICE:         # (50,000 groups holding no offset turn the loop too)
+            read = 0
+            await asyncio.sleep(0)
+            stop_if_gone(conn)
         stats = []
         size += len(group) + 8
         for t in ctx.offsets.topics_of(group):
