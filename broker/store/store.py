@@ -932,6 +932,13 @@ class MessageStore:
         system (EROFS) before the log did."""
         return self._log.refusal(why)
 
+    def stopped_by(self, exc: OSError) -> bool:
+        """Whether a write's OSError (a new queue's file not made) is the store's stop, not the broker's limits:
+        its file system turned read-only (EROFS, maybe before the log met it), or the log failed. Answered as
+        every write then is (SERVICE_NOT_AVAILABLE, ``refusal``), not as the open-files limit (SYSTEM_ERROR
+        "create mapped file failed", counted queue-file-failed, whose advice, raise ulimit -n, is wrong)."""
+        return exc.errno == errno.EROFS or self.failure is not None
+
     @property
     def min_physical_offset(self) -> int:
         return self._log.min_offset
