@@ -137,6 +137,7 @@ class Retention:
         self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
         self._undated_said: tuple | None = None  # the segment the cleaner last said it cannot date by this clock
         self._master_said: tuple | None = None   # the segment the slave's cleaner last said its master holds
+        self._paused_said = False           # the pause for a store that cannot be written was said (until it can)
         # (a slave) fn(log end) -> the offset up to which its master removed its log, None while not known
         # (ha/sync.py SlaveSync.removable_end; set by the server)
         self.master_removed_to = lambda _end: None
@@ -314,7 +315,7 @@ class Retention:
         c = self.ctx.config
         self.now()                  # a step ahead is said when it happens, not when the disk first fills after it
         usage = self.usage()
-        if usage < c.disk_clean_ratio:
+        if usage < c.disk_clean_ratio or self._paused():
             return []
         removed = []
         async with self._lock:
@@ -360,6 +361,23 @@ class Retention:
                 removed.append((oldest.name, reason))
                 usage = self.usage()
         return removed
+
+    def _paused(self) -> bool:
+        """Whether the store can be written to (a removal unlinks files and writes the manifest, its halves'
+        dead letters first): on a read-only file system, or a store stopped by an I/O error, every pass's removal
+        failed, a WARNING and an ERROR every disk_clean_interval_s (5 s) for as long as the broker ran. Said once
+        then, and again once it turned writable and back."""
+        store = self.ctx.store
+        why = (store.failure if store.failure is not None else
+               "its file system is mounted read-only" if store.disk.read_only else None)
+        if why is None:
+            self._paused_said = False
+            return False
+        if not self._paused_said:
+            self._paused_said = True
+            log.warning("retention paused: the store cannot be written (%s): no segment is removed until it can; "
+                        "repair the disk and restart the broker (what was acknowledged is kept)", why)
+        return True
 
     def _say_kept(self, oldest, usage: float, why: str) -> None:
         """The warning that an expired oldest segment, and every one after it, stays until disk pressure."""

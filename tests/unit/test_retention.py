@@ -1308,3 +1308,32 @@ async def test_a_listed_half_the_store_refused_to_dead_letter_is_said_still_unde
     assert summary["expired"] == [] and set(skipped) == {half.half_offset, other.half_offset}
     assert skipped[half.half_offset].get("undecided") is True and half.half_offset in ctx.tx.pending
     assert "undecided" not in skipped[other.half_offset]
+
+
+@bounded(30)
+async def test_a_read_only_store_pauses_the_cleaner_said_once_not_an_error_every_pass(world, caplog):
+    """On a store whose file system turned read-only, above disk_clean_ratio with an expired segment, every pass
+    (each disk_clean_interval_s, 5 s) tried to remove it: a WARNING "removing segment" and the ERROR of its
+    failure (EROFS unlinking it), forever. The cleaner is now paused, said once, and goes on once it can write."""
+    import errno
+    ctx, *_ = world
+    store = ctx.store
+    real_remove = store.remove_segment
+    tried = []
+
+    async def read_only_remove(name, reason=""):
+        tried.append(name)
+        raise OSError(errno.EROFS, "Read-only file system")
+    store.remove_segment = read_only_remove
+    store.disk.read_only = True                     # what the probe reads from statvfs / the mount table
+    r = Retention(ctx, usage=lambda: 0.9)
+    before = names(ctx)
+    for _ in range(3):
+        assert await r.clean_once() == []
+    assert tried == [] and names(ctx) == before
+    paused = [rec for rec in caplog.records if "retention paused" in rec.getMessage()]
+    assert len(paused) == 1 and "read-only" in paused[0].getMessage(), caplog.text
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], caplog.text
+    store.remove_segment, store.disk.read_only = real_remove, False     # repaired
+    removed = await r.clean_once()
+    assert removed and removed[0] == (before[0], "expired"), removed
