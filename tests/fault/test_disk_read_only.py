@@ -47,26 +47,42 @@ async def _send_all(namesrv: str, bodies: list[bytes]) -> list:
     return answers
 
 
+def _start(disk, log_path) -> BrokerProcess:
+    """A broker whose store is on ``disk``, its log at ``log_path`` (not on the disk that turns read-only)."""
+    b = BrokerProcess(disk.mount_point / "store")
+    b.log_path = log_path
+    return b.start()
+
+
+async def _turn_read_only(disk, b: BrokerProcess) -> None:
+    """Has the kernel remount ``disk`` read-only, and waits until the broker says so (txmq_store_read_only 1)."""
+    disk.turn_read_only()
+    for _ in range(POLLS):      # polling the broker from outside: there is no event to await
+        if _metric(b.metrics, "txmq_store_read_only") == 1:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"txmq_store_read_only never turned 1\n{b.log()}")
+
+
+def _restart_repaired(disk, b: BrokerProcess, tmp_path) -> BrokerProcess:
+    """kill -9 (what a crash on a failing disk leaves), the disk repaired (fsck) and mounted, a new broker on it."""
+    b.kill()
+    disk.repair()
+    return _start(disk, tmp_path / "broker-2.log")
+
+
 async def test_a_store_whose_file_system_turns_read_only_says_so_and_loses_nothing_acknowledged(tmp_path):
     """Before: every send after the remount was answered "store refused the message: SERVICE_NOT_AVAILABLE" (no
     reason, nothing to do), no metric moved (txmq_store_writes_refused 0, no alert: the only trace one ERROR line),
     and an idle broker said nothing at all until its checkpoint failed."""
     with ext4(tmp_path / "disk", tmp_path / "disk.img") as disk:
-        b = BrokerProcess(disk.mount_point / "store")
-        b.log_path = tmp_path / "broker.log"            # not on the disk that turns read-only
-        b.start()
+        b = _start(disk, tmp_path / "broker.log")
         try:
             async with asyncio.timeout(120):
                 acked = [f"acked-{i}".encode() for i in range(ACKED)]
                 assert all(not isinstance(a, ResponseError) for a in await _send_all(b.namesrv, acked))
                 assert _metric(b.metrics, "txmq_store_read_only") == 0
-                disk.turn_read_only()
-                for _ in range(POLLS):      # polling the broker from outside: there is no event to await
-                    if _metric(b.metrics, "txmq_store_read_only") == 1:
-                        break
-                    await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError(f"txmq_store_read_only never turned 1\n{b.log()}")
+                await _turn_read_only(disk, b)
                 refused = await _send_all(b.namesrv, [f"refused-{i}".encode() for i in range(5)])
                 assert all(isinstance(r, ResponseError) and r.code == ResponseCode.SERVICE_NOT_AVAILABLE
                            for r in refused), refused
@@ -92,11 +108,7 @@ async def test_a_store_whose_file_system_turns_read_only_says_so_and_loses_nothi
                 assert b.log().count("store stops accepting writes") == 1
                 assert "turned read-only" in b.log()
                 assert len(await _bodies(b.namesrv, "RoTopic")) == ACKED      # reads go on
-            b.kill()                        # kill -9: what a crash on a failing disk leaves
-            disk.repair()
-            b = BrokerProcess(disk.mount_point / "store")
-            b.log_path = tmp_path / "broker-2.log"
-            b.start()
+            b = _restart_repaired(disk, b, tmp_path)
             async with asyncio.timeout(60):
                 assert sorted(await _bodies(b.namesrv, "RoTopic")) == sorted(acked)
                 assert _metric(b.metrics, "txmq_store_read_only") == 0
@@ -134,9 +146,7 @@ async def test_a_commit_and_a_reply_into_new_queues_of_a_read_only_store_say_so_
     the half, kept undecided through a kill -9 and the repair, is committed after the restart."""
     opaques = itertools.count(1)
     with ext4(tmp_path / "disk", tmp_path / "disk.img") as disk:
-        b = BrokerProcess(disk.mount_point / "store")
-        b.log_path = tmp_path / "broker.log"            # not on the disk that turns read-only
-        b.start()
+        b = _start(disk, tmp_path / "broker.log")
         try:
             async with asyncio.timeout(120):
                 client = await RawClient.open(b.broker, "127.0.0.1")
@@ -147,13 +157,7 @@ async def test_a_commit_and_a_reply_into_new_queues_of_a_read_only_store_say_so_
                     assert (await _send_raw(client, next(opaques), "RoTxOld", b"plain")).code == ResponseCode.SUCCESS
                     old = await _send_raw(client, next(opaques), "RoTxOld", b"tx-old", half=True)
                     assert old.code == ResponseCode.SUCCESS, old.remark
-                    disk.turn_read_only()
-                    for _ in range(POLLS):      # polling the broker from outside: there is no event to await
-                        if _metric(b.metrics, "txmq_store_read_only") == 1:
-                            break
-                        await asyncio.sleep(0.05)
-                    else:
-                        raise AssertionError(f"txmq_store_read_only never turned 1\n{b.log()}")
+                    await _turn_read_only(disk, b)
                     [refused] = await client.call(_end(half, next(opaques)), 10)
                     assert refused.code == ResponseCode.SERVICE_NOT_AVAILABLE, (refused.code, refused.remark)
                     assert "read-only" in refused.remark and "restart the broker" in refused.remark, refused.remark
@@ -177,11 +181,7 @@ async def test_a_commit_and_a_reply_into_new_queues_of_a_read_only_store_say_so_
                     client.close()
                 assert _refusals(b, "queue-file-failed") == 0     # not the open-files limit: the store stopped
                 assert "create mapped file failed" not in b.log(), b.log()
-            b.kill()                        # kill -9: what a crash on a failing disk leaves
-            disk.repair()
-            b = BrokerProcess(disk.mount_point / "store")
-            b.log_path = tmp_path / "broker-2.log"
-            b.start()
+            b = _restart_repaired(disk, b, tmp_path)
             async with asyncio.timeout(60):
                 client = await RawClient.open(b.broker, "127.0.0.1")
                 try:
