@@ -41,6 +41,7 @@ segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_uncons
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 
 from protocol.errors import StoreError
@@ -138,6 +139,9 @@ class Retention:
         self._undated_said: tuple | None = None  # the segment the cleaner last said it cannot date by this clock
         self._master_said: tuple | None = None   # the segment the slave's cleaner last said its master holds
         self._paused_said = False           # the pause for a store that cannot be written was said (until it can)
+        # A removal met EROFS before the disk monitor saw the file system read-only (ext4's emergency_ro is read
+        # from the mount table every 5 s): paused until the monitor says it, which then decides
+        self._met_read_only = False
         # (a slave) fn(log end) -> the offset up to which its master removed its log, None while not known
         # (ha/sync.py SlaveSync.removable_end; set by the server)
         self.master_removed_to = lambda _end: None
@@ -354,7 +358,16 @@ class Retention:
                 log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s (%s)",
                             usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100, oldest.name,
                             reason)
-                why = await self._remove(oldest, reason, half_reason)
+                try:
+                    why = await self._remove(oldest, reason, half_reason)
+                except OSError as exc:
+                    if exc.errno != errno.EROFS:
+                        raise
+                    self._met_read_only = True
+                    log.error("disk pressure: cannot remove segment %s: %s; the file system turned read-only",
+                              oldest.name, exc)
+                    self._paused()
+                    break
                 if why is not None:
                     log.error("disk pressure: cannot remove segment %s: %s", oldest.name, why)
                     break
@@ -368,8 +381,10 @@ class Retention:
         failed, a WARNING and an ERROR every disk_clean_interval_s (5 s) for as long as the broker ran. Said once
         then, and again once it turned writable and back."""
         store = self.ctx.store
+        if store.disk.read_only:
+            self._met_read_only = False
         why = (store.failure if store.failure is not None else
-               "its file system is mounted read-only" if store.disk.read_only else None)
+               "its file system is mounted read-only" if store.disk.read_only or self._met_read_only else None)
         if why is None:
             self._paused_said = False
             return False

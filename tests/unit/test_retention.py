@@ -1310,21 +1310,27 @@ async def test_a_listed_half_the_store_refused_to_dead_letter_is_said_still_unde
     assert "undecided" not in skipped[other.half_offset]
 
 
-@bounded(30)
-async def test_a_read_only_store_pauses_the_cleaner_said_once_not_an_error_every_pass(world, caplog):
-    """On a store whose file system turned read-only, above disk_clean_ratio with an expired segment, every pass
-    (each disk_clean_interval_s, 5 s) tried to remove it: a WARNING "removing segment" and the ERROR of its
-    failure (EROFS unlinking it), forever. The cleaner is now paused, said once, and goes on once it can write."""
+def _removals_fail_read_only(store) -> list:
+    """Has the store's every segment removal fail EROFS, as unlinking on a read-only file system does: the list of
+    the segments it was asked to remove."""
     import errno
-    ctx, *_ = world
-    store = ctx.store
-    real_remove = store.remove_segment
     tried = []
 
     async def read_only_remove(name, reason=""):
         tried.append(name)
         raise OSError(errno.EROFS, "Read-only file system")
     store.remove_segment = read_only_remove
+    return tried
+
+
+@bounded(30)
+async def test_a_read_only_store_pauses_the_cleaner_said_once_not_an_error_every_pass(world, caplog):
+    """On a store whose file system turned read-only, above disk_clean_ratio with an expired segment, every pass
+    (each disk_clean_interval_s, 5 s) tried to remove it: a WARNING "removing segment" and the ERROR of its
+    failure (EROFS unlinking it), forever. The cleaner is now paused, said once, and goes on once it can write."""
+    ctx, *_ = world
+    store = ctx.store
+    real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
     store.disk.read_only = True                     # what the probe reads from statvfs / the mount table
     r = Retention(ctx, usage=lambda: 0.9)
     before = names(ctx)
@@ -1334,6 +1340,30 @@ async def test_a_read_only_store_pauses_the_cleaner_said_once_not_an_error_every
     paused = [rec for rec in caplog.records if "retention paused" in rec.getMessage()]
     assert len(paused) == 1 and "read-only" in paused[0].getMessage(), caplog.text
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], caplog.text
+    store.remove_segment, store.disk.read_only = real_remove, False     # repaired
+    removed = await r.clean_once()
+    assert removed and removed[0] == (before[0], "expired"), removed
+
+
+@bounded(30)
+async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cleaner(world, caplog):
+    """ext4's emergency_ro is seen in the mount table only (read every 5 s): a pass in between tried the removal,
+    met EROFS, and the next pass tried the next segment (measured on an ext4 loop device, a pass every 2 s: an
+    ERROR a pass, one segment after another). The first EROFS pauses the cleaner until the disk monitor has seen
+    the file system read-only, which then decides."""
+    ctx, *_ = world
+    store = ctx.store
+    real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
+    r = Retention(ctx, usage=lambda: 0.8)
+    before = names(ctx)
+    for _ in range(3):
+        assert await r.clean_once() == []
+    assert tried == before[:1], tried
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and "read-only" in errors[0].getMessage(), caplog.text
+    assert sum("retention paused" in rec.getMessage() for rec in caplog.records) == 1, caplog.text
+    store.disk.read_only = True                     # the monitor sees it
+    assert await r.clean_once() == [] and tried == before[:1]
     store.remove_segment, store.disk.read_only = real_remove, False     # repaired
     removed = await r.clean_once()
     assert removed and removed[0] == (before[0], "expired"), removed
