@@ -70,6 +70,8 @@ class DiskMonitor:
         self._table_unread = False      # said once: the table could not be read
         self._mounted_read_only = mounted_read_only or _mounted_read_only
         self._dev: int | None = None    # the store's file system (st_dev) at the first reading: the one it writes to
+        self._table_fresh = False       # read_mounts read the table since the last probe
+        self.table_readings = 0         # probes that took a fresh mount-table reading into read_only
 
     def mounts_due(self) -> bool:
         """Whether the mount table is due a reading (every ``MOUNTS_CHECK_S``)."""
@@ -79,6 +81,7 @@ class DiskMonitor:
         """Read the mount table (blocking: a worker thread's; on a host of 10k mounts it is ~10 ms of CPU, an
         event-loop stall every 5 s on the loop); the next ``probe()`` says what it found."""
         self._mounts_read_at = self._clock()
+        self._table_fresh = True
         if self._dev is None:
             # once: a file system mounted over the store's directory later hides the one its open files are on
             with contextlib.suppress(OSError):      # (the path alone then, as before)
@@ -116,6 +119,9 @@ class DiskMonitor:
                           "and is refused. See dmesg, repair it (umount, fsck) and restart the broker", self.path)
             else:
                 log.warning("the store's file system %s is writable again", self.path)
+        if self._table_fresh:           # read_only has the table's word now (Retention's pause after an EROFS waits it)
+            self._table_fresh = False
+            self.table_readings += 1
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         avail = st.f_bavail * st.f_frsize
         self.free_bytes = avail

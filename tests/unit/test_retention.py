@@ -1367,3 +1367,36 @@ async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cle
     store.remove_segment, store.disk.read_only = real_remove, False     # repaired
     removed = await r.clean_once()
     assert removed and removed[0] == (before[0], "expired"), removed
+
+
+@bounded(30)
+async def test_a_removal_meeting_erofs_the_disk_monitor_never_sees_is_tried_again_after_its_next_reading(world, caplog):
+    """A bind mount or an overlay: the removal met EROFS but statvfs and the mount table both say read-write, so the
+    disk monitor never sets read_only. The pause waited for it: retention stopped for as long as the broker ran, and
+    a disk writable again (remounted rw) filled up with nothing removed and nothing said. The pause lasts until the
+    monitor's next mount-table reading; then the cleaner tries again (said once, not an ERROR a pass)."""
+    ctx, *_ = world
+    store = ctx.store
+    real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
+    store.disk._mounted_read_only = lambda path, dev=None: False      # the table says rw, as statvfs does
+
+    def monitor_reads():                # a turn of the store's disk loop that read the mount table
+        store.disk.read_mounts()
+        store.disk.probe()
+    r = Retention(ctx, usage=lambda: 0.8)
+    before = names(ctx)
+    assert await r.clean_once() == [] and await r.clean_once() == []
+    assert tried == before[:1], tried                     # paused until the monitor has looked
+    for turn in range(3):
+        monitor_reads()
+        assert await r.clean_once() == []
+        assert tried == before[:1] * (turn + 2), tried    # tried again once after each reading, not paused forever
+    assert store.disk.read_only is False
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and "read-only" in errors[0].getMessage(), caplog.text
+    unseen = [rec for rec in caplog.records if "does not see" in rec.getMessage()]
+    assert len(unseen) == 1 and unseen[0].levelname == "WARNING", caplog.text
+    store.remove_segment = real_remove                    # remounted rw
+    monitor_reads()
+    removed = await r.clean_once()
+    assert removed and removed[0] == (before[0], "expired"), removed
