@@ -338,6 +338,15 @@ def test_the_mount_table_names_the_store_s_own_mount_under_one_mounted_over_it(m
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(table if p == "/proc/self/mountinfo" else p,
                                                                        *a, **k))
     monkeypatch.setattr(os.path, "realpath", lambda p: p)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (os.stat_result((0o40755, 2, os.makedev(7, 0)) + (0,) * 7)
+                                                         if p == "/data/store one" else real_stat(p, *a, **k)))
+    # the monitor as the broker runs it (its own table reader): the store's ext4 under the tmpfs is emergency_ro
+    monitor = DiskMonitor("/data/store one", statvfs=lambda p: os.statvfs_result((4096, 4096, 100, 50, 50, 0, 0, 0,
+                                                                                   0, 255)))
+    monitor.read_mounts()
+    monitor.probe()
+    assert monitor.read_only is True
     assert _mounted_read_only("/data/store one/config", os.makedev(7, 0)) is True
     assert _mounted_read_only("/data/store one/config", os.makedev(0, 51)) is False
     assert _mounted_read_only("/data/store one/config", os.makedev(9, 9)) is False     # none its own: the top one
