@@ -1490,6 +1490,10 @@ class MessageStore:
                 raise StoreError(f"cannot remove segment {name}: not flushed yet", segment=name)
             if clog.reserver is not None and clog.reserver.idle is not None:
                 await clog.reserver.idle    # no reserve job may still hold the file
+            # Its file unlinked first, the log untouched until it is: one that cannot be (EACCES, EIO, EROFS)
+            # was taken out of the running log all the same, its records unreadable and its space not freed, so the
+            # next pass took the next segment the same way (the whole log but the active segment, one a pass)
+            await self._io.submit(os.unlink, segs[0].path)
             dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)

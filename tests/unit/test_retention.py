@@ -7,7 +7,9 @@ kind of bad plan. A bad plan removes nothing; a good one removes exactly the old
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 
@@ -1313,7 +1315,6 @@ async def test_a_listed_half_the_store_refused_to_dead_letter_is_said_still_unde
 def _removals_fail_read_only(store) -> list:
     """Has the store's every segment removal fail EROFS, as unlinking on a read-only file system does: the list of
     the segments it was asked to remove."""
-    import errno
     tried = []
 
     async def read_only_remove(name, reason=""):
@@ -1400,3 +1401,33 @@ async def test_a_removal_meeting_erofs_the_disk_monitor_never_sees_is_tried_agai
     monitor_reads()
     removed = await r.clean_once()
     assert removed and removed[0] == (before[0], "expired"), removed
+
+
+@bounded(30)
+async def test_a_segment_whose_file_cannot_be_unlinked_stays_in_the_running_log(world, monkeypatch, caplog):
+    """A removal whose segment file cannot be unlinked (EACCES: an immutable file, a directory's permissions; EIO)
+    took the segment out of the running log first: its records unreadable, the log's start past it, its files on
+    disk (the space not freed, so the next pass removed the next segment the same way, one a pass, every 5 s: the
+    whole log but the active segment unreadable until a restart brought it back). The unlink comes first now: a
+    segment that cannot be is kept, readable, and the pass says so."""
+    ctx, _clock, _half, old, _fresh = world
+    store = ctx.store
+    real_unlink, log_dir = os.unlink, os.path.realpath(store._log.directory)
+
+    def unlink(path, *a, **k):
+        if os.path.realpath(os.path.dirname(os.fspath(path))) == log_dir:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    r = Retention(ctx, usage=lambda: 0.9)
+    before, start = names(ctx), store.min_physical_offset
+    assert len(before) >= 3, before
+    for _ in range(3):                      # three passes of the cleaner's loop
+        with contextlib.suppress(OSError):
+            await r.clean_once()
+    assert names(ctx) == before and store.min_physical_offset == start
+    assert readable(ctx, old) == len(old)
+    monkeypatch.setattr(os, "unlink", real_unlink)                 # repaired
+    removed = await r.clean_once()
+    assert removed and removed[0][0] == before[0], removed
+    assert not os.path.exists(os.path.join(log_dir, before[0]))
