@@ -41,6 +41,7 @@ segment gets PULL_OFFSET_MOVED and continues from the new minimum. retain_uncons
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections import Counter
 
@@ -156,6 +157,14 @@ class Retention:
         self._young_said: tuple | None = None   # the segment the cleaner last said young halves keep
         self._undated_said: tuple | None = None  # the segment the cleaner last said it cannot date by this clock
         self._master_said: tuple | None = None   # the segment the slave's cleaner last said its master holds
+        self._paused_said = False           # the pause for a store that cannot be written was said (until it can)
+        # A removal met EROFS before the disk monitor saw the file system read-only (ext4's emergency_ro is read
+        # from the mount table every 5 s): paused until the monitor's next mount-table reading (its
+        # table_readings then), which then decides; None when not. A monitor that never sees it (a bind mount, an
+        # overlay) does not pause the cleaner for good: it tries again after each reading, said once
+        self._met_read_only: int | None = None
+        self._erofs_said = False            # a removal's EROFS was said (until one succeeds or the monitor sees it)
+        self._unseen_said = False           # an EROFS the monitor did not see at its next reading was said
         # (a slave) fn(log end) -> the offset up to which its master removed its log, None while not known
         # (ha/sync.py SlaveSync.removable_end; set by the server)
         self.master_removed_to = lambda _end: None
@@ -335,7 +344,7 @@ class Retention:
         c = self.ctx.config
         self.now()                  # a step ahead is said when it happens, not when the disk first fills after it
         usage = self.usage()
-        if usage < c.disk_clean_ratio:
+        if usage < c.disk_clean_ratio or self._paused():
             return []
         removed = []
         async with self._lock:
@@ -374,13 +383,58 @@ class Retention:
                 log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s (%s)",
                             usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100, oldest.name,
                             reason)
-                why = await self._remove(oldest, reason, half_reason)
+                try:
+                    why = await self._remove(oldest, reason, half_reason)
+                except OSError as exc:
+                    if exc.errno != errno.EROFS:
+                        raise
+                    self._met_read_only = self.ctx.store.disk.table_readings
+                    if not self._erofs_said:
+                        self._erofs_said = True
+                        log.error("disk pressure: cannot remove segment %s: %s; the file system turned read-only: "
+                                  "the cleaner waits for the disk monitor's next mount-table reading",
+                                  oldest.name, exc)
+                    elif not self._unseen_said:
+                        self._unseen_said = True
+                        log.warning("disk pressure: cannot remove segment %s: %s; the disk monitor does not see "
+                                    "its file system read-only (a bind mount or an overlay?): retention tries again "
+                                    "after each mount-table reading (5 s), said again once a removal succeeds; "
+                                    "see dmesg and remount the store's file system read-write",
+                                    oldest.name, exc)
+                    self._paused()
+                    break
                 if why is not None:
                     log.error("disk pressure: cannot remove segment %s: %s", oldest.name, why)
                     break
                 removed.append((oldest.name, reason))
+                self._erofs_said = self._unseen_said = False
                 usage = self.usage()
         return removed
+
+    def _paused(self) -> bool:
+        """Whether the store can be written to (a removal unlinks files and writes the manifest, its halves'
+        dead letters first): on a read-only file system, or a store stopped by an I/O error, every pass's removal
+        failed, a WARNING and an ERROR every disk_clean_interval_s (5 s) for as long as the broker ran. Said once
+        then, and again once it turned writable and back."""
+        store = self.ctx.store
+        if store.disk.read_only or (self._met_read_only is not None
+                                    and store.disk.table_readings > self._met_read_only):
+            self._met_read_only = None      # the monitor's word decides now (read-write: tried again)
+            if store.disk.read_only:
+                self._erofs_said = self._unseen_said = False
+        why = (store.failure if store.failure is not None else
+               "its file system is mounted read-only" if store.disk.read_only or self._met_read_only is not None
+               else None)
+        if why is None:
+            self._paused_said = False
+            return False
+        if not self._paused_said:
+            self._paused_said = True
+            if self._unseen_said:           # an EROFS the monitor does not see: said once by its own warning
+                return True
+            log.warning("retention paused: the store cannot be written (%s): no segment is removed until it can; "
+                        "repair the disk and restart the broker (what was acknowledged is kept)", why)
+        return True
 
     def _say_kept(self, oldest, usage: float, why: str) -> None:
         """The warning that an expired oldest segment, and every one after it, stays until disk pressure."""

@@ -81,8 +81,15 @@ async def handle_reply(ctx, conn, cmd):
         try:
             ctx.store.prepare_queue(h.topic, qid)
         except OSError as exc:
-            not_stored = f"create mapped file failed, server is busy or broken: consume queue {h.topic}-{qid}: {exc}"
-            ctx.limits.refused("queue-file-failed", f"reply to {props.get(REPLY_TO_CLIENT)} not stored: {not_stored}")
+            if ctx.store.stopped_by(exc):
+                # the store stopped (its file system read-only): said as every write then is, not as the
+                # open-files limit (counted queue-file-failed, "raise ulimit -n")
+                not_stored = ctx.store.refusal(f"consume queue {h.topic}-{qid}: {exc}")
+            else:
+                not_stored = (f"create mapped file failed, server is busy or broken: consume queue {h.topic}-{qid}: "
+                              f"{exc}")
+                ctx.limits.refused("queue-file-failed",
+                                   f"reply to {props.get(REPLY_TO_CLIENT)} not stored: {not_stored}")
     if not_stored is None:
         result = await ctx.store.put(PutRequest(record, h.topic, qid, tags_code(props), h.sys_flag))
         if not result.ok:

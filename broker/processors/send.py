@@ -209,7 +209,7 @@ def _queue_file_refused(ctx, cmd, topic: str, qid: int, exc: OSError):
         # guard refuses every write from now on, not as a broken broker
         return cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE,
                             ctx.store.disk.refuse(f"consume queue {topic}-{qid}: no space for its file"))
-    if exc.errno == errno.EROFS or ctx.store.failure is not None:
+    if ctx.store.stopped_by(exc):
         # the store stopped, or is about to (its file system turned read-only): as every write is refused, not
         # as a broken broker (SYSTEM_ERROR, counted queue-file-failed as if past the open-files limit)
         return cmd.response(ResponseCode.SERVICE_NOT_AVAILABLE,

@@ -30,6 +30,7 @@ Reads never look at this: pulls, admin reads and metrics work on a full disk.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -47,7 +48,7 @@ class DiskMonitor:
     def __init__(self, path: str, refuse_ratio: float = 0.90, *,
                  statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
                  clock: Callable[[], float] = time.monotonic,
-                 mounted_read_only: Callable[[str], bool] | None = None):
+                 mounted_read_only: Callable[[str, int | None], bool] | None = None):
         if not 0.0 < refuse_ratio <= 1.0:
             raise ValueError(f"refuse_ratio={refuse_ratio} must be in (0, 1]")
         self.path = path
@@ -68,6 +69,9 @@ class DiskMonitor:
         self._table_read_only = False   # the mount table's word at its last reading (read_mounts)
         self._table_unread = False      # said once: the table could not be read
         self._mounted_read_only = mounted_read_only or _mounted_read_only
+        self._dev: int | None = None    # the store's file system (st_dev) at the first reading: the one it writes to
+        self._table_fresh = False       # read_mounts read the table since the last probe
+        self.table_readings = 0         # probes that took a fresh mount-table reading into read_only
 
     def mounts_due(self) -> bool:
         """Whether the mount table is due a reading (every ``MOUNTS_CHECK_S``)."""
@@ -77,8 +81,13 @@ class DiskMonitor:
         """Read the mount table (blocking: a worker thread's; on a host of 10k mounts it is ~10 ms of CPU, an
         event-loop stall every 5 s on the loop); the next ``probe()`` says what it found."""
         self._mounts_read_at = self._clock()
+        self._table_fresh = True
+        if self._dev is None:
+            # once: a file system mounted over the store's directory later hides the one its open files are on
+            with contextlib.suppress(OSError):      # (the path alone then, as before)
+                self._dev = os.stat(self.path).st_dev
         try:
-            self._table_read_only = self._mounted_read_only(self.path)
+            self._table_read_only = self._mounted_read_only(self.path, self._dev)
         except OSError as exc:
             if not self._table_unread:
                 self._table_unread = True
@@ -110,6 +119,9 @@ class DiskMonitor:
                           "and is refused. See dmesg, repair it (umount, fsck) and restart the broker", self.path)
             else:
                 log.warning("the store's file system %s is writable again", self.path)
+        if self._table_fresh:           # read_only has the table's word now (Retention's pause after an EROFS waits it)
+            self._table_fresh = False
+            self.table_readings += 1
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         avail = st.f_bavail * st.f_frsize
         self.free_bytes = avail
@@ -177,22 +189,24 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} {unit}"
 
 
-def _mounted_read_only(path: str) -> bool:
+def _mounted_read_only(path: str, dev: int | None = None) -> bool:
     """Whether the mount holding ``path`` is read-only by /proc/self/mountinfo: its mount or super-block options
     "ro", or ext4's "emergency_ro". Linux 6.x ext4 with errors=remount-ro marks itself emergency_ro after an I/O
-    error and fails every write EROFS while statvfs still says read-write (no ST_RDONLY). OSError where unreadable."""
+    error and fails every write EROFS while statvfs still says read-write (no ST_RDONLY). OSError where unreadable.
+
+    ``dev``: the store's file system (st_dev), when known: only its mounts are looked at (a file system mounted
+    over the store's mount point since is on top in the table, and not the one the store writes to); the table's
+    every mount when none is its (btrfs subvolumes' st_dev is not the table's)."""
     with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
+        rows = [(fields, fields.index("-")) for fields in (line.split() for line in f.read().splitlines())
+                if "-" in fields]
+    rows = [(fields, sep) for fields, sep in rows if sep >= 6 and len(fields) >= sep + 4]
+    if dev is not None:
+        ours = [(fields, sep) for fields, sep in rows if fields[2] == f"{os.major(dev)}:{os.minor(dev)}"]
+        rows = ours or rows
     path = os.path.realpath(path)
     best, read_only = -1, False
-    for line in lines:
-        fields = line.split()
-        try:
-            sep = fields.index("-")
-        except ValueError:
-            continue
-        if sep < 6 or len(fields) < sep + 4:
-            continue
+    for fields, sep in rows:
         point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
         if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= best:
             best = len(point)        # the last of equal length is the one on top

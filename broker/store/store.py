@@ -932,6 +932,13 @@ class MessageStore:
         system (EROFS) before the log did."""
         return self._log.refusal(why)
 
+    def stopped_by(self, exc: OSError) -> bool:
+        """Whether a write's OSError (a new queue's file not made) is the store's stop, not the broker's limits:
+        its file system turned read-only (EROFS, maybe before the log met it), or the log failed. Answered as
+        every write then is (SERVICE_NOT_AVAILABLE, ``refusal``), not as the open-files limit (SYSTEM_ERROR
+        "create mapped file failed", counted queue-file-failed, whose advice, raise ulimit -n, is wrong)."""
+        return exc.errno == errno.EROFS or self.failure is not None
+
     @property
     def min_physical_offset(self) -> int:
         return self._log.min_offset
@@ -1483,6 +1490,10 @@ class MessageStore:
                 raise StoreError(f"cannot remove segment {name}: not flushed yet", segment=name)
             if clog.reserver is not None and clog.reserver.idle is not None:
                 await clog.reserver.idle    # no reserve job may still hold the file
+            # Its file unlinked first, the log untouched until it is: one that cannot be (EACCES, EIO, EROFS)
+            # was taken out of the running log all the same, its records unreadable and its space not freed, so the
+            # next pass took the next segment the same way (the whole log but the active segment, one a pass)
+            await self._io.submit(os.unlink, segs[0].path)
             dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)

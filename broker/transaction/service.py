@@ -784,6 +784,12 @@ class TransactionService:
             raise
         except OSError as exc:
             self._decision_settled(action.tx, floor, done, False)
+            if self.ctx.store.stopped_by(exc):
+                # the store stopped (its file system read-only): refused as a send then is, the half kept
+                # undecided (checked again after the repair and a restart); not the open-files limit's answer
+                why = self.ctx.store.refusal(f"consume queue of transaction {action.tx.uniq_key}: {exc}")
+                raise DecisionError(ResponseCode.SERVICE_NOT_AVAILABLE,
+                                    f"store refused the decision: SERVICE_NOT_AVAILABLE ({why})") from exc
             why = f"create mapped file failed, server is busy or broken: {exc}"
             self.ctx.limits.refused("queue-file-failed", f"transaction {action.tx.uniq_key} not decided: {why}")
             raise DecisionError(ResponseCode.SYSTEM_ERROR, why) from exc

@@ -7,7 +7,9 @@ kind of bad plan. A bad plan removes nothing; a good one removes exactly the old
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 
@@ -1308,3 +1310,124 @@ async def test_a_listed_half_the_store_refused_to_dead_letter_is_said_still_unde
     assert summary["expired"] == [] and set(skipped) == {half.half_offset, other.half_offset}
     assert skipped[half.half_offset].get("undecided") is True and half.half_offset in ctx.tx.pending
     assert "undecided" not in skipped[other.half_offset]
+
+
+def _removals_fail_read_only(store) -> list:
+    """Has the store's every segment removal fail EROFS, as unlinking on a read-only file system does: the list of
+    the segments it was asked to remove."""
+    tried = []
+
+    async def read_only_remove(name, reason=""):
+        tried.append(name)
+        raise OSError(errno.EROFS, "Read-only file system")
+    store.remove_segment = read_only_remove
+    return tried
+
+
+@bounded(30)
+async def test_a_read_only_store_pauses_the_cleaner_said_once_not_an_error_every_pass(world, caplog):
+    """On a store whose file system turned read-only, above disk_clean_ratio with an expired segment, every pass
+    (each disk_clean_interval_s, 5 s) tried to remove it: a WARNING "removing segment" and the ERROR of its
+    failure (EROFS unlinking it), forever. The cleaner is now paused, said once, and goes on once it can write."""
+    ctx, *_ = world
+    store = ctx.store
+    real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
+    store.disk.read_only = True                     # what the probe reads from statvfs / the mount table
+    r = Retention(ctx, usage=lambda: 0.9)
+    before = names(ctx)
+    for _ in range(3):
+        assert await r.clean_once() == []
+    assert tried == [] and names(ctx) == before
+    paused = [rec for rec in caplog.records if "retention paused" in rec.getMessage()]
+    assert len(paused) == 1 and "read-only" in paused[0].getMessage(), caplog.text
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], caplog.text
+    store.remove_segment, store.disk.read_only = real_remove, False     # repaired
+    removed = await r.clean_once()
+    assert removed and removed[0] == (before[0], "expired"), removed
+
+
+@bounded(30)
+async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cleaner(world, caplog):
+    """ext4's emergency_ro is seen in the mount table only (read every 5 s): a pass in between tried the removal,
+    met EROFS, and the next pass tried the next segment (measured on an ext4 loop device, a pass every 2 s: an
+    ERROR a pass, one segment after another). The first EROFS pauses the cleaner until the disk monitor has seen
+    the file system read-only, which then decides."""
+    ctx, *_ = world
+    store = ctx.store
+    real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
+    r = Retention(ctx, usage=lambda: 0.8)
+    before = names(ctx)
+    for _ in range(3):
+        assert await r.clean_once() == []
+    assert tried == before[:1], tried
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and "read-only" in errors[0].getMessage(), caplog.text
+    assert sum("retention paused" in rec.getMessage() for rec in caplog.records) == 1, caplog.text
+    store.disk.read_only = True                     # the monitor sees it
+    assert await r.clean_once() == [] and tried == before[:1]
+    store.remove_segment, store.disk.read_only = real_remove, False     # repaired
+    removed = await r.clean_once()
+    assert removed and removed[0] == (before[0], "expired"), removed
+
+
+@bounded(30)
+async def test_a_removal_meeting_erofs_the_disk_monitor_never_sees_is_tried_again_after_its_next_reading(world, caplog):
+    """A bind mount or an overlay: the removal met EROFS but statvfs and the mount table both say read-write, so the
+    disk monitor never sets read_only. The pause waited for it: retention stopped for as long as the broker ran, and
+    a disk writable again (remounted rw) filled up with nothing removed and nothing said. The pause lasts until the
+    monitor's next mount-table reading; then the cleaner tries again (said once, not an ERROR a pass)."""
+    ctx, *_ = world
+    store = ctx.store
+    real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
+    store.disk._mounted_read_only = lambda path, dev=None: False      # the table says rw, as statvfs does
+
+    def monitor_reads():                # a turn of the store's disk loop that read the mount table
+        store.disk.read_mounts()
+        store.disk.probe()
+    r = Retention(ctx, usage=lambda: 0.8)
+    before = names(ctx)
+    assert await r.clean_once() == [] and await r.clean_once() == []
+    assert tried == before[:1], tried                     # paused until the monitor has looked
+    for turn in range(3):
+        monitor_reads()
+        assert await r.clean_once() == []
+        assert tried == before[:1] * (turn + 2), tried    # tried again once after each reading, not paused forever
+    assert store.disk.read_only is False
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and "read-only" in errors[0].getMessage(), caplog.text
+    unseen = [rec for rec in caplog.records if "does not see" in rec.getMessage()]
+    assert len(unseen) == 1 and unseen[0].levelname == "WARNING", caplog.text
+    store.remove_segment = real_remove                    # remounted rw
+    monitor_reads()
+    removed = await r.clean_once()
+    assert removed and removed[0] == (before[0], "expired"), removed
+
+
+@bounded(30)
+async def test_a_segment_whose_file_cannot_be_unlinked_stays_in_the_running_log(world, monkeypatch, caplog):
+    """A removal whose segment file cannot be unlinked (EACCES: an immutable file, a directory's permissions; EIO)
+    took the segment out of the running log first: its records unreadable, the log's start past it, its files on
+    disk (the space not freed, so the next pass removed the next segment the same way, one a pass, every 5 s: the
+    whole log but the active segment unreadable until a restart brought it back). The unlink comes first now: a
+    segment that cannot be is kept, readable, and the pass says so."""
+    ctx, _clock, _half, old, _fresh = world
+    store = ctx.store
+    real_unlink, log_dir = os.unlink, os.path.realpath(store._log.directory)
+
+    def unlink(path, *a, **k):
+        if os.path.realpath(os.path.dirname(os.fspath(path))) == log_dir:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    r = Retention(ctx, usage=lambda: 0.9)
+    before, start = names(ctx), store.min_physical_offset
+    assert len(before) >= 3, before
+    for _ in range(3):                      # three passes of the cleaner's loop
+        with contextlib.suppress(OSError):
+            await r.clean_once()
+    assert names(ctx) == before and store.min_physical_offset == start
+    assert readable(ctx, old) == len(old)
+    monkeypatch.setattr(os, "unlink", real_unlink)                 # repaired
+    removed = await r.clean_once()
+    assert removed and removed[0][0] == before[0], removed
+    assert not os.path.exists(os.path.join(log_dir, before[0]))

@@ -230,7 +230,7 @@ def test_a_read_only_mount_is_seen_by_its_flag_or_by_the_mount_table_and_said_on
     def statvfs(path):
         return os.statvfs_result((4096, 4096, 1_000_000, 900_000, 900_000, 0, 0, 0, flag[0], 255))
     disk = DiskMonitor("/store", 0.90, statvfs=statvfs, clock=lambda: clock[0],
-                       mounted_read_only=lambda path: table[0])
+                       mounted_read_only=lambda path, dev: table[0])
 
     def tick():                         # a turn of the store's disk loop (the table read on a worker thread there)
         if disk.mounts_due():
@@ -263,7 +263,7 @@ def test_a_probe_never_reads_the_mount_table_and_an_unreadable_one_is_said_once(
     unreadable table (no /proc in a container) was taken for "writable" without a word."""
     clock, reads = [0.0], []
 
-    def table(path):
+    def table(path, dev=None):
         reads.append(path)
         raise PermissionError(errno.EACCES, "Permission denied")
     disk = DiskMonitor("/store", 0.90, statvfs=lambda p: os.statvfs_result((4096, 4096, 100, 5, 5, 0, 0, 0, 0, 255)),
@@ -286,7 +286,7 @@ async def test_the_store_reads_the_mount_table_on_a_worker_thread(tmp_path, monk
     monkeypatch.setattr(disk_mod, "MOUNTS_CHECK_S", 0.0)      # due at every turn of the disk loop
     loop, threads, read = asyncio.get_running_loop(), [], asyncio.Event()
 
-    def table(path):
+    def table(path, dev=None):
         threads.append(threading.get_ident())
         loop.call_soon_threadsafe(read.set)
         return False
@@ -325,6 +325,37 @@ def test_the_mount_table_names_the_store_s_mount_read_only(monkeypatch, tmp_path
                                                                        *a, **k))
     monkeypatch.setattr(os.path, "realpath", lambda p: p)
     assert _mounted_read_only(path) is read_only
+
+
+def test_the_mount_table_names_the_store_s_own_mount_under_one_mounted_over_it(monkeypatch, tmp_path):
+    """A file system mounted over the store's mount point after the start (a tmpfs at /data/store by a careless
+    script) is last in the table, on top: it was taken for the store's, rw, while the store's own ext4, which the
+    broker's open files still write to, had turned emergency_ro: TxmqStoreReadOnly never fired. Its device
+    (st_dev, read once at the first reading) picks the store's; with none of the table's its own, the path."""
+    table = tmp_path / "mountinfo"
+    table.write_text(MOUNTINFO + "50 40 0:51 / /data/store\\040one rw,relatime - tmpfs tmpfs rw\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(table if p == "/proc/self/mountinfo" else p,
+                                                                       *a, **k))
+    monkeypatch.setattr(os.path, "realpath", lambda p: p)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (os.stat_result((0o40755, 2, os.makedev(7, 0)) + (0,) * 7)
+                                                         if p == "/data/store one" else real_stat(p, *a, **k)))
+    # the monitor as the broker runs it (its own table reader): the store's ext4 under the tmpfs is emergency_ro
+    monitor = DiskMonitor("/data/store one", statvfs=lambda p: os.statvfs_result((4096, 4096, 100, 50, 50, 0, 0, 0,
+                                                                                   0, 255)))
+    monitor.read_mounts()
+    monitor.probe()
+    assert monitor.read_only is True
+    assert _mounted_read_only("/data/store one/config", os.makedev(7, 0)) is True
+    assert _mounted_read_only("/data/store one/config", os.makedev(0, 51)) is False
+    assert _mounted_read_only("/data/store one/config", os.makedev(9, 9)) is False     # none its own: the top one
+    assert _mounted_read_only("/data/store one/config") is False
+    asked = []
+    disk = DiskMonitor(str(tmp_path), mounted_read_only=lambda path, dev: asked.append(dev) or False)
+    disk.read_mounts()
+    disk.read_mounts()
+    assert asked == [os.stat(tmp_path).st_dev] * 2
 
 
 def test_out_of_inodes_the_watermark_refuses_with_the_blocks_mostly_free():
