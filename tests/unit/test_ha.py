@@ -886,7 +886,8 @@ async def test_a_slave_whose_disk_refuses_writes_stays_connected_and_following_h
 
 
 @bounded(30)
-async def test_a_slave_whose_store_stopped_holds_the_master_back_said_once_not_a_reconnect_a_second(caplog):
+async def test_a_slave_whose_store_stopped_holds_the_master_back_said_once_not_a_reconnect_a_second(caplog,
+                                                                                                   monkeypatch):
     """A slave whose store stopped accepting writes (an I/O error; its file system turned read-only) had each
     transfer refused SERVICE_NOT_AVAILABLE with no reason: the session failed, the slave reconnected every
     second (RECONNECT_S) for ever, a WARNING a second on the slave (3,600 an hour) and the master reading and
@@ -913,10 +914,14 @@ async def test_a_slave_whose_store_stopped_holds_the_master_back_said_once_not_a
         writer.write(encode_transfer(0, b"x" * 100) + b"x" * 100)
         await writer.drain()
         await reader.read()
+    monkeypatch.setattr("broker.ha.slave.RECONNECT_S", 0.02)     # a reconnect, were there one, within the test
     with caplog.at_level(logging.WARNING, logger="txmq.ha"):
         async with _slave_of(store, master) as slave:
-            for _ in range(1000):           # until it says it, or reconnects (each after RECONNECT_S)
-                if "NOT replicating" in caplog.text or slave.sessions >= 3:
+            async with asyncio.timeout(10):     # until it says it, or reconnects
+                while "NOT replicating" not in caplog.text and slave.sessions < 2:
+                    await asyncio.sleep(0.01)
+            for _ in range(25):             # then 0.25 s (12 reconnect pauses): said, and still on its one session
+                if slave.sessions >= 2:
                     break
                 await asyncio.sleep(0.01)
             assert appended == [] and slave.sessions == 1, (appended, slave.sessions, caplog.text)
