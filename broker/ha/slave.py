@@ -243,7 +243,9 @@ class HASlave:
                         raise HAProtocolError(f"the master sent offset {phys}, this slave's log ends at {expected}")
                     while self._disk_full() or self._store_stopped():    # hold the master back (TCP), following
                         if writer.is_closing():
-                            raise ConnectionResetError("the link was lost while this slave's disk was full")
+                            raise ConnectionResetError("the link was lost while this slave's store "
+                                                       + ("stopped accepting writes" if self.store_stopped
+                                                          else "disk was full"))
                         await asyncio.sleep(RECONNECT_S)
                     put, expected = self.store.append_replica(phys, body)
                     self._pending += len(body)

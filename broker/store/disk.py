@@ -81,7 +81,6 @@ class DiskMonitor:
         """Read the mount table (blocking: a worker thread's; on a host of 10k mounts it is ~10 ms of CPU, an
         event-loop stall every 5 s on the loop); the next ``probe()`` says what it found."""
         self._mounts_read_at = self._clock()
-        self._table_fresh = True
         if self._dev is None:
             # once: a file system mounted over the store's directory later hides the one its open files are on
             with contextlib.suppress(OSError):      # (the path alone then, as before)
@@ -93,6 +92,8 @@ class DiskMonitor:
                 self._table_unread = True
                 log.warning("cannot read /proc/self/mountinfo (%s): a store file system that turns read-only without "
                             "statvfs saying so (Linux 6.x ext4 emergency_ro) is seen only when a write fails", exc)
+        # (once the reading is in: a probe on the loop meanwhile, a send's while refusing, took the old word for it)
+        self._table_fresh = True
 
     def still_refusing(self) -> bool:
         """For a write while ``refusing``: measure again if the last probe is stale; returns ``refusing``."""

@@ -1493,7 +1493,8 @@ class MessageStore:
             # Its file unlinked first, the log untouched until it is: one that cannot be (EACCES, EIO, EROFS)
             # was taken out of the running log all the same, its records unreadable and its space not freed, so the
             # next pass took the next segment the same way (the whole log but the active segment, one a pass)
-            await self._io.submit(os.unlink, segs[0].path)
+            # (one already gone, an operator's rm to free space, is removed as MappedFile.remove always let it be)
+            await self._io.submit(_unlink_if_there, segs[0].path)
             dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
@@ -1640,6 +1641,11 @@ def _summarize_files(items) -> dict[str, SegmentFacts]:
             continue
         out[name] = SegmentFacts(name, start, end, n, first, last, True)
     return out
+
+
+def _unlink_if_there(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _remove_files(files) -> None:

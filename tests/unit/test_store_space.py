@@ -452,3 +452,19 @@ def test_a_file_system_with_no_fixed_number_of_inodes_reads_zero_and_refuses_not
     disk = DiskMonitor("/store", 0.90, statvfs=statvfs)
     assert disk.probe() is False and disk.inode_ratio == 0.0 and disk.ratio == pytest.approx(0.36)
     assert "inodes" not in disk.remark() and "inodes" not in disk.fullness()
+
+
+def test_a_probe_while_the_mount_table_is_read_does_not_count_the_reading_not_yet_in():
+    """read_mounts runs on a worker thread while the loop may probe (a send's re-probe while refusing): that probe
+    must not count a table reading (Retention's EROFS pause ends on the count) with the old word in read_only."""
+    table = [False]
+    disk = DiskMonitor("/store", 0.90, statvfs=lambda p: os.statvfs_result((4096, 4096, 100, 50, 50, 0, 0, 0, 0, 255)),
+                       mounted_read_only=lambda path, dev: (disk.probe(), table[0])[1])   # a probe mid-reading
+    disk.read_mounts()
+    disk.probe()
+    assert disk.table_readings == 1 and disk.read_only is False
+    table[0] = True
+    disk.read_mounts()
+    assert disk.table_readings == 1             # the probe mid-reading took nothing from it
+    disk.probe()
+    assert disk.table_readings == 2 and disk.read_only is True
