@@ -47,6 +47,7 @@ from .metrics import BrokerMetrics, append_snapshot, prune_snapshots
 from .metrics_http import start_metrics_server
 from .slices import in_slices
 from .processors import broker_table, namesrv_table
+from .processors.transaction import end_plan_watchers
 from .queue_locks import LockFile
 from .registration import BrokerRegistrar
 from .retention import Retention
@@ -1039,9 +1040,10 @@ class BrokerServer:
         if pending:
             _done, left = await asyncio.wait(pending, timeout=grace_s)
             await self._offset_saves_answered(left)
-        for conns in self.connections.values():
-            for conn in list(conns):
-                conn.close()
+        open_conns = [conn for conns in self.connections.values() for conn in conns]
+        for conn in open_conns:
+            conn.close()
+        await end_plan_watchers(open_conns)
         if self.lock_file is not None:
             await self.lock_file.close()    # held again at the next start (queue_locks.py); bounded
         if ctx is not None:

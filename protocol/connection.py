@@ -127,7 +127,6 @@ class RemotingConnection(asyncio.Protocol):
         self._reading_paused_for: set[str] = set()
         self._writing_paused = False
         self._turn_waiting = False          # a backlog waits for the peer to read (see _next_turn)
-        self._header_bytes = 0              # header bytes read since reading last paused for them (_spend)
         self._drain_waiters: list[asyncio.Future] = []
         self._loop = asyncio.get_event_loop()
 
@@ -214,24 +213,23 @@ class RemotingConnection(asyncio.Protocol):
             # (a dict look-up when nothing changed; with frames completed, what is left is of a frame begun since)
             self.read_budget.report(self, self._decoder.buffered, frames)
         if frames:
-            self._spend(frames)
+            self._spend()
         if self._backlog:                   # a turn is already scheduled: these wait behind it
             self._backlog.extend(frames)
             return
         self._handle_frames(frames)
 
-    def _spend(self, frames: list) -> None:
+    def _spend(self) -> None:
         """Pause reading until the loop's next iteration once TURN_HEADER_BYTES of headers were read. A read's
         frames are handled FRAMES_PER_TURN at a time, but libuv calls data_received up to 32 times for one
         readable event: a connection pipelining 256 KiB headers of made-up fields (14-30 ms each to parse) held
         the loop for seconds an iteration, and another client's requests waited 1.0-2.3 s each (10-90 ms now)."""
-        self._header_bytes += sum(int.from_bytes(frame[5:8], "big") for frame in frames)
-        if self._header_bytes > TURN_HEADER_BYTES and "headers" not in self._reading_paused_for:
+        if self._decoder.header_bytes > TURN_HEADER_BYTES and "headers" not in self._reading_paused_for:
             self.pause_reading("headers")
             self._loop.call_soon(self._headers_spent)
 
     def _headers_spent(self) -> None:
-        self._header_bytes = 0
+        self._decoder.header_bytes = 0     # (the decoder adds up the header lengths it unpacks)
         self.resume_reading("headers")
 
     def _handle_frames(self, frames: list) -> None:

@@ -57,15 +57,17 @@ class FrameDecoder:
     cannot be re-synchronised. If frames were completed before the bad bytes in
     the same feed, they are returned (they are good requests) and the error is
     left in ``error``; otherwise FrameError is raised. Later feeds raise it.
+    ``header_bytes`` adds up the header lengths of the frames returned, until its reader sets it back to 0.
     """
 
-    __slots__ = ("max_frame_size", "_buf", "_pos", "_error")
+    __slots__ = ("max_frame_size", "header_bytes", "_buf", "_pos", "_error")
 
     def __init__(self, max_frame_size: int = MAX_FRAME_SIZE):
         self.max_frame_size = max_frame_size
         self._buf = bytearray()
         self._pos = 0
         self._error: FrameError | None = None
+        self.header_bytes = 0
 
     @property
     def error(self) -> FrameError | None:
@@ -86,10 +88,11 @@ class FrameDecoder:
         pos = self._pos
         end = len(buf)
         max_size = self.max_frame_size
+        headers = 0
         try:
             while end - pos >= 8:
                 length, word = PREFIX.unpack_from(buf, pos)
-                check_prefix(length, word, max_size)
+                header_length = check_prefix(length, word, max_size)
                 total = length + 4
                 if end - pos < total:
                     break
@@ -99,6 +102,7 @@ class FrameDecoder:
                 frames.append(bytes(buf[pos:pos + total]) if total < _VIEW_CUT
                               else bytes(memoryview(buf)[pos:pos + total]))
                 pos += total
+                headers += header_length
             if end - pos in (4, 5, 6, 7):
                 # A bad length is known as soon as its 4 bytes are here.
                 (length,) = LENGTH.unpack_from(buf, pos)
@@ -117,4 +121,5 @@ class FrameDecoder:
                 del buf[:pos]
                 pos = 0
             self._pos = pos
+            self.header_bytes += headers
         return frames

@@ -268,6 +268,17 @@ async def _watch(conn) -> None:
         _PLAN_WATCHERS.pop(conn, None)
 
 
+async def end_plan_watchers(conns) -> None:
+    """At a stop, for ``conns`` (the broker's): say each plan in parts still open cut short, and end its watcher, else
+    left waiting on a connection whose close had not come through when the loop closed."""
+    watchers = [(conn, _PLAN_WATCHERS.pop(conn, None)) for conn in conns]
+    for conn, task in watchers:
+        if task is not None:
+            _cut_short(conn, "the broker stopped")
+            task.cancel()
+    await asyncio.gather(*(task for _conn, task in watchers if task is not None), return_exceptions=True)
+
+
 def _begin(conn, parts: int, done: Counter) -> None:
     _cut_short(conn, "a new plan began on the connection")     # (one begun while this first part was applied)
     _PLAN_PARTS[conn] = _PlanInParts(parts, done)

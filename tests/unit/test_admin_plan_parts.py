@@ -507,3 +507,36 @@ async def test_a_plan_in_parts_cut_short_is_said_with_what_its_parts_applied(cap
     assert said() == ["expiry plan part 2 of 4 applied, its plan cut short before it: 2 halves expired, 0 skipped (0 "
                       "still undecided: not dead-lettered), 0 segments removed, 0 kept, 0 gone before"]
     assert not tp._PLAN_PARTS and not tp._PLAN_WATCHERS
+
+
+async def test_a_stop_says_a_plan_in_parts_still_open_and_ends_its_watcher(caplog):
+    """A plan in parts whose connection had not closed when the broker stopped left its watcher task pending when the
+    loop closed, and what its parts applied unsaid: the stop says it and ends the watcher."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from broker.processors import transaction as tp
+
+    class Retention:
+        async def apply_plan(self, plan, *, say=True):
+            return {"expired": [h["commit_log_offset"] for h in plan["halves"]], "skipped": [],
+                    "segments_removed": [], "segments_kept": [], "segments_gone": []}
+
+    class Conn:
+        peer = ("127.0.0.1", 5002)
+
+        def __init__(self):
+            self.closed = asyncio.Event()           # never set: its close has not come through
+
+    ctx, conn, idle = SimpleNamespace(retention=Retention()), Conn(), Conn()
+    caplog.set_level(logging.DEBUG, "txmq")
+    await _send_part(ctx, conn, _parts_of_4()[0])
+    watcher = tp._PLAN_WATCHERS[conn]
+    _warned(caplog)
+    await tp.end_plan_watchers([idle, conn])
+    assert watcher.done() and conn not in tp._PLAN_WATCHERS and conn not in tp._PLAN_PARTS
+    assert _warned(caplog) == ["expiry plan from 127.0.0.1:5002 cut short: 1 of 4 parts applied, then the broker "
+                               "stopped: 2 halves expired, 0 skipped (0 still undecided: not dead-lettered), 0 segments "
+                               "removed, 0 kept, 0 gone before; apply the plan again to finish it (what was done is "
+                               "skipped)"]
