@@ -181,7 +181,7 @@ class PullConsumer:
         self.running_info = self._running_info
         self._created_ms = int(time.time() * 1000)      # (PROP_CONSUMER_START_TIMESTAMP of a pull consumer)
         # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's),
-        # or a str: why it was not consumed (answered SYSTEM_ERROR)
+        # or a str: why it was not consumed (answered SYSTEM_ERROR), or (response code, remark)
         self.consume_directly = None
         # fn(topic) -> {MQ: offset} GET_CONSUMER_STATUS_FROM_CLIENT answers (a push consumer's replaces this pull
         # consumer's: the offsets it last committed, as a Java pull consumer answers its offset store's)
@@ -283,6 +283,8 @@ class PullConsumer:
             body = await self.consume_directly(msg)
             if isinstance(body, str):
                 return cmd.response(ResponseCode.SYSTEM_ERROR, body)
+            if isinstance(body, tuple):
+                return cmd.response(*body)
             return cmd.response(ResponseCode.SUCCESS, body=body)
         return answer()
 

@@ -934,6 +934,104 @@ async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(bro
 
 
 @bounded(60)
+async def test_a_message_handed_directly_answers_what_the_listener_did_as_a_java_consumer(broker):
+    """mqadmin queryMsgById -g G -d C prints the ConsumeMessageDirectlyResult the consumer answers. A txmq push
+    consumer whose listener raised answered CR_LATER with no remark, as though the listener had asked for the
+    message again, and one that returned None the same: the operator could not tell a failing listener from a
+    refusing one, nor see why. As 4.9.8's consumeMessageDirectly: a raise is CR_THROW_EXCEPTION with what was
+    raised as the remark, a None CR_RETURN_NULL."""
+    async with Producer(broker.namesrv, "PG_direct_verdict") as producer:
+        sent = await producer.send("Orders", b"judge me")
+    consumed = asyncio.Event()
+    direct = []
+
+    def listener(msg):
+        if not consumed.is_set():                      # (the pull loop's delivery: consumed at once)
+            consumed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        direct.append(msg.body)
+        if len(direct) == 1:
+            raise ValueError("no stock for order 42")
+        return None
+
+    consumer = PushConsumer(broker.namesrv, "CG_direct_verdict", listener, consume_from="first")
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(consumed.wait(), 20)
+        fields = {"consumerGroup": "CG_direct_verdict", "clientId": consumer.client.client_id,
+                  "msgId": sent.offset_msg_id}
+        raised = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+        assert (raised.code, raised.remark) == (ResponseCode.SUCCESS, None)
+        result = json.loads(raised.body_bytes())
+        assert list(result) == ["autoCommit", "consumeResult", "order", "remark", "spentTimeMills"]   # fastjson's
+        assert result["consumeResult"] == "CR_THROW_EXCEPTION", result
+        assert result["remark"] == "ValueError: no stock for order 42"
+        null = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+        result = json.loads(null.body_bytes())
+        assert (result["consumeResult"], "remark" in result) == ("CR_RETURN_NULL", False), result
+        assert direct == [b"judge me"] * 2
+    finally:
+        await consumer.shutdown()
+
+
+@bounded(90)
+async def test_messages_handed_directly_to_a_hung_listener_are_bounded_and_consumption_goes_on(broker):
+    """Each CONSUME_MESSAGE_DIRECTLY (309) a txmq push consumer took ran its listener call until it returned or
+    consume_timeout_s (900 s) passed, however many there were: the broker gives up on each after 10 s, so an
+    operator retrying a resend against a hung listener piled calls up, and past 1,024 in hand the consumer's
+    connection to the broker stopped reading -- the pulls' answers with it, and the consumer stopped consuming,
+    saying nothing. At most MAX_DIRECT_AT_ONCE run at once; one more is answered SYSTEM_BUSY at once, saying
+    why, and the pull loops go on consuming."""
+    from consumer.push_consumer import MAX_DIRECT_AT_ONCE
+    async with Producer(broker.namesrv, "PG_direct_hung") as producer:
+        sent = await producer.send("Orders", b"hang on me")
+        consumed, entered, never = [], [], asyncio.Event()
+        first, more = asyncio.Event(), asyncio.Event()
+
+        async def listener(msg):
+            if msg.body == b"after":
+                consumed.append(msg.body)
+                more.set()
+                return ConsumeStatus.CONSUME_SUCCESS
+            if not first.is_set():                 # (the pull loop's delivery of the first message)
+                first.set()
+                return ConsumeStatus.CONSUME_SUCCESS
+            entered.append(msg.body)
+            await never.wait()                     # a listener that hangs on the messages handed directly
+            return ConsumeStatus.CONSUME_SUCCESS
+
+        consumer = PushConsumer(broker.namesrv, "CG_direct_hung", listener, consume_from="first",
+                                shutdown_grace_s=0.2, abandon_after_s=1.0)
+        consumer.subscribe("Orders")
+        await consumer.start()
+        fields = {"consumerGroup": "CG_direct_hung", "clientId": consumer.client.client_id,
+                  "msgId": sent.offset_msg_id}
+        held = []
+        try:
+            await asyncio.wait_for(first.wait(), 20)
+            held = [asyncio.create_task(request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15))
+                    for _ in range(MAX_DIRECT_AT_ONCE)]
+            for _ in range(2000):                  # (until every one is in the listener)
+                if len(entered) == MAX_DIRECT_AT_ONCE:
+                    break
+                await asyncio.sleep(0.005)
+            assert len(entered) == MAX_DIRECT_AT_ONCE
+            busy = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15)
+            assert busy.code == ResponseCode.SYSTEM_BUSY, (busy.code, busy.remark)
+            assert "still in its listener" in busy.remark and str(MAX_DIRECT_AT_ONCE) in busy.remark, busy.remark
+            assert len(entered) == MAX_DIRECT_AT_ONCE      # the refused one never reached the listener
+            await producer.send("Orders", b"after")
+            await asyncio.wait_for(more.wait(), 20)        # the pull loops go on beside the hung calls
+            assert consumed == [b"after"]
+        finally:
+            await consumer.shutdown()
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+
+
+@bounded(60)
 async def test_a_txmq_push_consumer_tells_its_offsets_to_get_consumer_status(broker):
     """mqadmin getConsumerStatus (223) has the broker ask each consumer for its offsets of the topic (221): txmq's
     push consumer answered REQUEST_CODE_NOT_SUPPORTED and was left out, the tool printing nothing for a group of
