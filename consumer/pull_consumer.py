@@ -794,13 +794,20 @@ class PullConsumer:
         raise refused
 
     async def fetch_offset(self, mq: MessageQueue) -> int | None:
-        """The group's stored offset for ``mq``, or None when it has none."""
+        """The group's stored offset for ``mq``, or None when it has none. Kept as this consumer's offset of ``mq``
+        (its 221 answer, mqadmin getConsumerStatus) until a commit made after it, as a Java pull consumer's
+        fetchConsumeOffset(mq, true) puts it in its offset store: left out, a consumer that fetched its offsets
+        and had not committed yet answered an empty table."""
+        before = self._commit_calls      # (commits made before it reach the broker first, on the one connection)
         resp = await self._offset_call(RequestCode.QUERY_CONSUMER_OFFSET, mq, consumerGroup=self.group)
         if resp.code == ResponseCode.QUERY_NOT_FOUND:
             return None
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
-        return resp.int_field("offset")
+        offset = resp.int_field("offset")
+        if before >= self._committed.get(mq, (0, 0))[0]:
+            self._committed[mq] = (before, offset)
+        return offset
 
     async def max_offset(self, mq: MessageQueue) -> int:
         """The offset after the last message of ``mq``."""

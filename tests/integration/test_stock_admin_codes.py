@@ -1221,3 +1221,33 @@ async def test_a_pull_consumers_status_is_the_offset_its_broker_holds_after_comm
             [(_, offsets)] = obj["consumerTable"].items()
             reported = {json.loads(k)["queueId"]: v for k, v in offsets.items()}
             assert (held, reported) == (10 * round_ + 2, {mqs[0].queue_id: held}), round_
+
+
+@bounded(60)
+async def test_a_pull_consumers_status_holds_the_offsets_it_fetched(broker):
+    """A Java pull consumer's fetchConsumeOffset(mq, true) puts the broker's offset in its offset store, so mqadmin
+    getConsumerStatus (223, each consumer's 221) shows it before the consumer commits. A txmq PullConsumer kept only
+    what it committed: one that had fetched its offsets and was consuming from them answered an empty table. It
+    keeps a fetched offset too, until a commit made after the fetch."""
+    async with Producer(broker.namesrv, "PG_pull_fetched") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_pull_fetched") as consumer:
+        await consumer.subscribe("Orders")
+        mq = (await consumer.fetch_queues("Orders"))[0]
+        moved = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {      # (another of the group's members)
+            "topic": "Orders", "queueId": mq.queue_id, "consumerGroup": "CG_pull_fetched", "commitOffset": 3})
+        assert moved.code == ResponseCode.SUCCESS, moved.remark
+
+        async def reported():
+            status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                                   {"topic": "Orders", "group": "CG_pull_fetched"})
+            assert status.code == ResponseCode.SUCCESS, status.remark
+            obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
+            return {cid: {json.loads(k)["queueId"]: v for k, v in table.items()}
+                    for cid, table in obj["consumerTable"].items()}
+
+        assert await consumer.fetch_offset(mq) == 3
+        assert await reported() == {consumer.client_id: {mq.queue_id: 3}}
+        await consumer.commit_offset(mq, 5)
+        assert await consumer.fetch_offset(mq) == 5
+        assert await reported() == {consumer.client_id: {mq.queue_id: 5}}
