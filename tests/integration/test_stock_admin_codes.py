@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import urllib.request
 
 import pytest
 
@@ -373,7 +374,7 @@ async def test_get_consumer_status_asks_each_consumer_of_the_group(broker):
 async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consumer_goes(broker):
     """Each forwarded request waits up to 10 s for the consumer, holding its request (a 309: a copy of a stored
     message, up to 4 MiB): without a limit, a consumer that never answered and admins asking again and again
-    held memory without bound. Past MAX_FORWARDING waiting, SYSTEM_BUSY at once; the consumer's connection
+    held memory without bound. Past MAX_FORWARDING waiting, SYSTEM_BUSY at once (counted); the consumer's connection
     closing answers the waiting ones at once, not after their 10 s."""
     from broker.processors.forward import MAX_FORWARDING
 
@@ -401,6 +402,9 @@ async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consu
         busy = await asyncio.wait_for(ask(), 5)
         assert busy.code == ResponseCode.SYSTEM_BUSY and "waiting for consumers" in busy.remark
         assert len(asked) == MAX_FORWARDING and not any(w.done() for w in waiting)
+        scraped = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+        assert 'txmq_requests_refused_total{reason="forwarding"} 1.0' in scraped.splitlines()      # (counted)
         consumer.close()
         answers = await asyncio.wait_for(asyncio.gather(*waiting), 5)
         assert {a.code for a in answers} == {ResponseCode.SYSTEM_ERROR}
@@ -1132,7 +1136,8 @@ async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(
     """Each GET_BROKER_CONSUME_STATS (317) holds its body, up to a frame's 16 MiB, until it is sent, and they ran
     all at once: 8 of 19.6 MB took the broker from 90 to 423 MB, and one connection may have 1,024 in flight.
     RocketMQ answers admin codes on 16 threads; txmq works on MAX_BROKER_CONSUME_STATS of them at once and
-    answers one past that SYSTEM_BUSY, saying to try again."""
+    answers one past that SYSTEM_BUSY, saying to try again, and counts it (txmq_requests_refused_total, uncounted
+    before: an operator's tool refused again and again left no trace on the broker's side)."""
     from broker.processors.ops import MAX_BROKER_CONSUME_STATS
     conn = await _connect(broker.broker)
     try:
@@ -1148,6 +1153,9 @@ async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(
         assert codes == [ResponseCode.SUCCESS] * MAX_BROKER_CONSUME_STATS + [ResponseCode.SYSTEM_BUSY] * 4, codes
         busy = next(r for r in replies if r.code == ResponseCode.SYSTEM_BUSY)
         assert "try again" in busy.remark, busy.remark
+        scraped = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+        assert 'txmq_requests_refused_total{reason="broker-consume-stats"} 4.0' in scraped.splitlines()   # (counted)
         again = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 30)
         assert again.code == ResponseCode.SUCCESS         # (each slot given back)
     finally:
