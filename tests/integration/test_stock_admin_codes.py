@@ -900,6 +900,20 @@ async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(
         assert other.code == ResponseCode.SYSTEM_ERROR     # (the broker: not online, or the consumer: not its group)
 
 
+@contextlib.asynccontextmanager
+async def _handed_directly(broker, group: str, listener, ready: asyncio.Event, msg_id: str, **kw):
+    """A txmq PushConsumer of ``group`` on Orders, started and ``ready``; yields it and the fields of a
+    CONSUME_MESSAGE_DIRECTLY of ``msg_id`` to it."""
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first", **kw)
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        yield consumer, {"consumerGroup": group, "clientId": consumer.client.client_id, "msgId": msg_id}
+    finally:
+        await consumer.shutdown()
+
+
 @bounded(60)
 async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(broker):
     """mqadmin queryMsgById -g G -d C (the dashboard's resend) has the broker pass the stored message to that
@@ -917,13 +931,7 @@ async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(bro
         first.set()
         return ConsumeStatus.CONSUME_SUCCESS if len(seen) < 3 else ConsumeStatus.RECONSUME_LATER
 
-    consumer = PushConsumer(broker.namesrv, "CG_direct_txmq", listener, consume_from="first")
-    consumer.subscribe("Orders")
-    await consumer.start()
-    try:
-        await asyncio.wait_for(first.wait(), 20)
-        fields = {"consumerGroup": "CG_direct_txmq", "clientId": consumer.client.client_id,
-                  "msgId": sent.offset_msg_id}
+    async with _handed_directly(broker, "CG_direct_txmq", listener, first, sent.offset_msg_id) as (_, fields):
         for expected in ("CR_SUCCESS", "CR_LATER"):
             resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
             assert (resp.code, resp.remark) == (ResponseCode.SUCCESS, None)
@@ -933,8 +941,6 @@ async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(bro
         assert seen == [("Orders", b"resend me", "created")] * 3
         other = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {**fields, "consumerGroup": "CG_other"})
         assert other.code == ResponseCode.SYSTEM_ERROR and len(seen) == 3
-    finally:
-        await consumer.shutdown()
 
 
 @bounded(60)
@@ -958,13 +964,7 @@ async def test_a_message_handed_directly_answers_what_the_listener_did_as_a_java
             raise ValueError("no stock for order 42")
         return None
 
-    consumer = PushConsumer(broker.namesrv, "CG_direct_verdict", listener, consume_from="first")
-    consumer.subscribe("Orders")
-    await consumer.start()
-    try:
-        await asyncio.wait_for(consumed.wait(), 20)
-        fields = {"consumerGroup": "CG_direct_verdict", "clientId": consumer.client.client_id,
-                  "msgId": sent.offset_msg_id}
+    async with _handed_directly(broker, "CG_direct_verdict", listener, consumed, sent.offset_msg_id) as (_, fields):
         raised = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
         assert (raised.code, raised.remark) == (ResponseCode.SUCCESS, None)
         result = json.loads(raised.body_bytes())
@@ -975,8 +975,6 @@ async def test_a_message_handed_directly_answers_what_the_listener_did_as_a_java
         result = json.loads(null.body_bytes())
         assert (result["consumeResult"], "remark" in result) == ("CR_RETURN_NULL", False), result
         assert direct == [b"judge me"] * 2
-    finally:
-        await consumer.shutdown()
 
 
 @bounded(90)
@@ -991,7 +989,7 @@ async def test_messages_handed_directly_to_a_hung_listener_are_bounded_and_consu
     async with Producer(broker.namesrv, "PG_direct_hung") as producer:
         sent = await producer.send("Orders", b"hang on me")
         consumed, entered, never = [], [], asyncio.Event()
-        first, more = asyncio.Event(), asyncio.Event()
+        first, more, all_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def listener(msg):
             if msg.body == b"after":
@@ -1002,34 +1000,26 @@ async def test_messages_handed_directly_to_a_hung_listener_are_bounded_and_consu
                 first.set()
                 return ConsumeStatus.CONSUME_SUCCESS
             entered.append(msg.body)
+            if len(entered) == MAX_DIRECT_AT_ONCE:
+                all_in.set()
             await never.wait()                     # a listener that hangs on the messages handed directly
             return ConsumeStatus.CONSUME_SUCCESS
 
-        consumer = PushConsumer(broker.namesrv, "CG_direct_hung", listener, consume_from="first",
-                                shutdown_grace_s=0.2, abandon_after_s=1.0)
-        consumer.subscribe("Orders")
-        await consumer.start()
-        fields = {"consumerGroup": "CG_direct_hung", "clientId": consumer.client.client_id,
-                  "msgId": sent.offset_msg_id}
         held = []
         try:
-            await asyncio.wait_for(first.wait(), 20)
-            held = [asyncio.create_task(request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15))
-                    for _ in range(MAX_DIRECT_AT_ONCE)]
-            for _ in range(2000):                  # (until every one is in the listener)
-                if len(entered) == MAX_DIRECT_AT_ONCE:
-                    break
-                await asyncio.sleep(0.005)
-            assert len(entered) == MAX_DIRECT_AT_ONCE
-            busy = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15)
-            assert busy.code == ResponseCode.SYSTEM_BUSY, (busy.code, busy.remark)
-            assert "still in its listener" in busy.remark and str(MAX_DIRECT_AT_ONCE) in busy.remark, busy.remark
-            assert len(entered) == MAX_DIRECT_AT_ONCE      # the refused one never reached the listener
-            await producer.send("Orders", b"after")
-            await asyncio.wait_for(more.wait(), 20)        # the pull loops go on beside the hung calls
-            assert consumed == [b"after"]
+            async with _handed_directly(broker, "CG_direct_hung", listener, first, sent.offset_msg_id,
+                                        shutdown_grace_s=0.2, abandon_after_s=1.0) as (_, fields):
+                held = [asyncio.create_task(request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15))
+                        for _ in range(MAX_DIRECT_AT_ONCE)]
+                await asyncio.wait_for(all_in.wait(), 20)
+                busy = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15)
+                assert busy.code == ResponseCode.SYSTEM_BUSY, (busy.code, busy.remark)
+                assert "still in its listener" in busy.remark and str(MAX_DIRECT_AT_ONCE) in busy.remark, busy.remark
+                assert len(entered) == MAX_DIRECT_AT_ONCE      # the refused one never reached the listener
+                await producer.send("Orders", b"after")
+                await asyncio.wait_for(more.wait(), 20)        # the pull loops go on beside the hung calls
+                assert consumed == [b"after"]
         finally:
-            await consumer.shutdown()
             for task in held:
                 task.cancel()
             await asyncio.gather(*held, return_exceptions=True)
