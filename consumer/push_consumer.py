@@ -53,8 +53,24 @@ _BEAT_RETRY_MAX_S = 4.0
 # listener calls of messages handed directly (CONSUME_MESSAGE_DIRECTLY) at once; a Java consumer runs them on its
 # clientCallbackExecutorThreads (as many as the cores)
 MAX_DIRECT_AT_ONCE = 16
+# characters of what a listener raised kept (CR_THROW_EXCEPTION's remark, the log): a whole str() of 17 MiB made a
+# 309's answer a frame past the 16 MiB the broker reads, and the broker closed the connection, the pulls with it
+MAX_RAISED_REMARK = 4096
 
 log = logging.getLogger("txmq.consumer")
+
+
+def _raised(exc: BaseException) -> str:
+    """What a listener raised, as RemotingHelper.exceptionSimpleDesc names it (its type and message), at most
+    MAX_RAISED_REMARK characters with how many there were; an exception whose str() itself raises is named by its
+    type and what that raised, never raising again out of the listener's call (the pull loop's too)."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception as again:  # noqa: BLE001 - a listener's exception may do anything in __str__
+        return f"{type(exc).__name__} (its str() raised {type(again).__name__})"
+    if len(text) <= MAX_RAISED_REMARK:
+        return text
+    return f"{text[:MAX_RAISED_REMARK]}... ({len(text)} characters)"
 
 
 class _LockLost(Exception):
@@ -998,8 +1014,9 @@ class PushConsumer:
                             "RECONSUME_LATER", msg.msg_id, self.consume_timeout_s)
                 return (ConsumeStatus.RECONSUME_LATER, "CR_THROW_EXCEPTION",
                         f"listener still running after {self.consume_timeout_s:g} s (consume_timeout_s): cancelled")
-            log.warning("listener failed on %s: %s", msg.msg_id, exc)
-            return ConsumeStatus.RECONSUME_LATER, "CR_THROW_EXCEPTION", f"{type(exc).__name__}: {exc}"
+            raised = _raised(exc)
+            log.warning("listener failed on %s: %s", msg.msg_id, raised)
+            return ConsumeStatus.RECONSUME_LATER, "CR_THROW_EXCEPTION", raised
         if status is ConsumeStatus.CONSUME_SUCCESS:
             return status, "CR_SUCCESS", None
         if status is not ConsumeStatus.RECONSUME_LATER:     # a forgotten return: said, as RocketMQ does

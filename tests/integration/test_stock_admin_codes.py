@@ -977,6 +977,53 @@ async def test_a_message_handed_directly_answers_what_the_listener_did_as_a_java
         assert direct == [b"judge me"] * 2
 
 
+@bounded(60)
+async def test_what_a_listener_raised_on_a_message_handed_directly_is_bounded_and_never_raises_again(broker):
+    """CR_THROW_EXCEPTION's remark was the exception's whole str(): a listener raising with 17 MiB of text (a
+    payload dumped into its message) answered a frame past the 16 MiB the broker reads, so the broker closed the
+    consumer's connection -- its pulls with it -- and the 309 got no answer; one whose __str__ raised raised again
+    out of the listener's call, in the pull loops too. The remark keeps MAX_RAISED_REMARK characters and says how
+    many there were, and an unprintable exception is named by its type."""
+    from consumer.push_consumer import MAX_RAISED_REMARK
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str for you")
+
+    async with Producer(broker.namesrv, "PG_direct_raised") as producer:
+        sent = await producer.send("Orders", b"raise on me")
+        first, more, direct, after = asyncio.Event(), asyncio.Event(), [], []
+
+        def listener(msg):
+            if msg.body == b"after":
+                after.append(msg.body)
+                more.set()
+                return ConsumeStatus.CONSUME_SUCCESS
+            if not first.is_set():                 # (the pull loop's delivery of the first message)
+                first.set()
+                return ConsumeStatus.CONSUME_SUCCESS
+            direct.append(msg.body)
+            if len(direct) == 1:
+                raise ValueError("x" * (17 << 20))
+            raise Unprintable()
+
+        async with _handed_directly(broker, "CG_direct_raised", listener, first, sent.offset_msg_id) as (_, fields):
+            results = []
+            for _ in range(2):
+                resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15)
+                assert (resp.code, resp.remark) == (ResponseCode.SUCCESS, None), (resp.code, resp.remark)
+                results.append(json.loads(resp.body_bytes()))
+            assert [r["consumeResult"] for r in results] == ["CR_THROW_EXCEPTION"] * 2, results
+            huge, unprintable = (r["remark"] for r in results)
+            assert huge.startswith("ValueError: xxx"), huge[:100]
+            assert huge.endswith(f"... ({len('ValueError: ') + (17 << 20)} characters)"), huge[-100:]
+            assert len(huge) <= MAX_RAISED_REMARK + 100, len(huge)
+            assert unprintable.startswith("Unprintable") and "RuntimeError" in unprintable, unprintable
+            await producer.send("Orders", b"after")
+            await asyncio.wait_for(more.wait(), 20)    # the consumer's connection and pull loops go on
+            assert (direct, after) == ([b"raise on me"] * 2, [b"after"])
+
+
 @bounded(90)
 async def test_messages_handed_directly_to_a_hung_listener_are_bounded_and_consumption_goes_on(broker):
     """Each CONSUME_MESSAGE_DIRECTLY (309) a txmq push consumer took ran its listener call until it returned or
