@@ -914,6 +914,24 @@ async def _handed_directly(broker, group: str, listener, ready: asyncio.Event, m
         await consumer.shutdown()
 
 
+def _pulled_then_handed(on_direct):
+    """A listener consuming the first message its pull loops deliver (``pulled`` set) and b"after" (kept in
+    ``consumed``, ``after`` set); every other message -- those handed directly -- given to ``on_direct`` (a
+    coroutine function). Returns (listener, pulled, after, consumed)."""
+    pulled, after, consumed = asyncio.Event(), asyncio.Event(), []
+
+    async def listener(msg):
+        if msg.body == b"after":
+            consumed.append(msg.body)
+            after.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        if not pulled.is_set():                 # (the pull loop's delivery of the first message)
+            pulled.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        return await on_direct(msg)
+    return listener, pulled, after, consumed
+
+
 @bounded(60)
 async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(broker):
     """mqadmin queryMsgById -g G -d C (the dashboard's resend) has the broker pass the stored message to that
@@ -992,20 +1010,14 @@ async def test_what_a_listener_raised_on_a_message_handed_directly_is_bounded_an
 
     async with Producer(broker.namesrv, "PG_direct_raised") as producer:
         sent = await producer.send("Orders", b"raise on me")
-        first, more, direct, after = asyncio.Event(), asyncio.Event(), [], []
+        direct = []
 
-        def listener(msg):
-            if msg.body == b"after":
-                after.append(msg.body)
-                more.set()
-                return ConsumeStatus.CONSUME_SUCCESS
-            if not first.is_set():                 # (the pull loop's delivery of the first message)
-                first.set()
-                return ConsumeStatus.CONSUME_SUCCESS
+        async def raising(msg):
             direct.append(msg.body)
             if len(direct) == 1:
                 raise ValueError("x" * (17 << 20))
             raise Unprintable()
+        listener, first, more, after = _pulled_then_handed(raising)
 
         async with _handed_directly(broker, "CG_direct_raised", listener, first, sent.offset_msg_id) as (_, fields):
             results = []
@@ -1035,22 +1047,15 @@ async def test_messages_handed_directly_to_a_hung_listener_are_bounded_and_consu
     from consumer.push_consumer import MAX_DIRECT_AT_ONCE
     async with Producer(broker.namesrv, "PG_direct_hung") as producer:
         sent = await producer.send("Orders", b"hang on me")
-        consumed, entered, never = [], [], asyncio.Event()
-        first, more, all_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        entered, never, all_in = [], asyncio.Event(), asyncio.Event()
 
-        async def listener(msg):
-            if msg.body == b"after":
-                consumed.append(msg.body)
-                more.set()
-                return ConsumeStatus.CONSUME_SUCCESS
-            if not first.is_set():                 # (the pull loop's delivery of the first message)
-                first.set()
-                return ConsumeStatus.CONSUME_SUCCESS
+        async def hanging(msg):
             entered.append(msg.body)
             if len(entered) == MAX_DIRECT_AT_ONCE:
                 all_in.set()
             await never.wait()                     # a listener that hangs on the messages handed directly
             return ConsumeStatus.CONSUME_SUCCESS
+        listener, first, more, consumed = _pulled_then_handed(hanging)
 
         held = []
         try:
