@@ -483,11 +483,16 @@ def _read_nothing(conn) -> bool:
 
 def at_most(counter: str, limit: int, busy: str):
     """A decorator: the request handler it wraps runs ``limit`` requests at once at most (counted in the context's
-    ``counter``), one past them answered SYSTEM_BUSY ``busy``."""
+    ``counter``), one past them answered SYSTEM_BUSY ``busy``, counted in txmq_requests_refused_total{reason} (the
+    counter's name, ``-`` for ``_``) and logged at most every _GATE_LOG_INTERVAL_S: unsaid, an operator's tool
+    refused again and again left nothing on the broker's side."""
+    reason = counter.replace("_", "-")
+
     def wrap(handler):
         @functools.wraps(handler)
         async def limited(ctx, conn, cmd):
             if getattr(ctx, counter) >= limit:
+                ctx.limits.refused(reason, f"request {cmd.code} from {peer_host(conn)} refused SYSTEM_BUSY: {busy}")
                 return cmd.response(ResponseCode.SYSTEM_BUSY, busy)
             setattr(ctx, counter, getattr(ctx, counter) + 1)
             try:

@@ -176,7 +176,7 @@ class BrokerMetrics:
                                "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-limit, offset-host-limit, busy, undecided-limit, undecided-total-limit, retry-group-limit, subscription-group-limit, queue-lock-limit, "
                                "max_connections, max_connections_per_host, open-files, max_total_read_buffer, group-limit, subscription-limit, subscription-host-limit, heartbeat-size, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half, end-no-half, end-half-removed, end-bad-state, transaction-type-without-half, "
-                               "send-back-unconsumable, batch-messages, header-size, tag-expression).",
+                               "send-back-unconsumable, batch-messages, header-size, tag-expression, forwarding, broker-consume-stats).",
                                ["reason"], registry=r)
         self.offset_moves_deferred = Counter(
             "txmq_offset_moves_deferred", "Offset moves by a client that is no consumer of the group (an admin "

@@ -181,7 +181,7 @@ class PullConsumer:
         self.running_info = self._running_info
         self._created_ms = int(time.time() * 1000)      # (PROP_CONSUMER_START_TIMESTAMP of a pull consumer)
         # async fn(MessageExt) -> the ConsumeMessageDirectlyResult body of CONSUME_MESSAGE_DIRECTLY (a push consumer's),
-        # or a str: why it was not consumed (answered SYSTEM_ERROR)
+        # or a str: why it was not consumed (answered SYSTEM_ERROR), or (response code, remark)
         self.consume_directly = None
         # fn(topic) -> {MQ: offset} GET_CONSUMER_STATUS_FROM_CLIENT answers (a push consumer's replaces this pull
         # consumer's: the offsets it last committed, as a Java pull consumer answers its offset store's)
@@ -283,6 +283,8 @@ class PullConsumer:
             body = await self.consume_directly(msg)
             if isinstance(body, str):
                 return cmd.response(ResponseCode.SYSTEM_ERROR, body)
+            if isinstance(body, tuple):
+                return cmd.response(*body)
             return cmd.response(ResponseCode.SUCCESS, body=body)
         return answer()
 
@@ -792,13 +794,20 @@ class PullConsumer:
         raise refused
 
     async def fetch_offset(self, mq: MessageQueue) -> int | None:
-        """The group's stored offset for ``mq``, or None when it has none."""
+        """The group's stored offset for ``mq``, or None when it has none. Kept as this consumer's offset of ``mq``
+        (its 221 answer, mqadmin getConsumerStatus) until a commit made after it, as a Java pull consumer's
+        fetchConsumeOffset(mq, true) puts it in its offset store: left out, a consumer that fetched its offsets
+        and had not committed yet answered an empty table."""
+        before = self._commit_calls      # (commits made before it reach the broker first, on the one connection)
         resp = await self._offset_call(RequestCode.QUERY_CONSUMER_OFFSET, mq, consumerGroup=self.group)
         if resp.code == ResponseCode.QUERY_NOT_FOUND:
             return None
         if resp.code != ResponseCode.SUCCESS:
             raise error_for_code(resp.code, resp.remark)
-        return resp.int_field("offset")
+        offset = resp.int_field("offset")
+        if before >= self._committed.get(mq, (0, 0))[0]:
+            self._committed[mq] = (before, offset)
+        return offset
 
     async def max_offset(self, mq: MessageQueue) -> int:
         """The offset after the last message of ``mq``."""

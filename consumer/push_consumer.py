@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable
 
 from protocol.admin_bodies import encode_consumer_running_info
+from protocol.codes import ResponseCode
 from protocol.connection import finish_within, jittered, wait_within
 from protocol.errors import (BrokerError, ConnectionClosedError, ProtocolError, RequestTimeoutError, ResponseError,
                              TopicNotExistError)
@@ -49,8 +50,27 @@ _JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: re
 # no sooner than this after the last, so connections that keep breaking never make a reconnect storm.
 _BEAT_RETRY_S = 0.5
 _BEAT_RETRY_MAX_S = 4.0
+# listener calls of messages handed directly (CONSUME_MESSAGE_DIRECTLY) at once; a Java consumer runs them on its
+# clientCallbackExecutorThreads (as many as the cores)
+MAX_DIRECT_AT_ONCE = 16
+# characters of what a listener raised kept (CR_THROW_EXCEPTION's remark, the log): a whole str() of 17 MiB made a
+# 309's answer a frame past the 16 MiB the broker reads, and the broker closed the connection, the pulls with it
+MAX_RAISED_REMARK = 4096
 
 log = logging.getLogger("txmq.consumer")
+
+
+def _raised(exc: BaseException) -> str:
+    """What a listener raised, as RemotingHelper.exceptionSimpleDesc names it (its type and message), at most
+    MAX_RAISED_REMARK characters with how many there were; an exception whose str() itself raises is named by its
+    type and what that raised, never raising again out of the listener's call (the pull loop's too)."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception as again:  # noqa: BLE001 - a listener's exception may do anything in __str__
+        return f"{type(exc).__name__} (its str() raised {type(again).__name__})"
+    if len(text) <= MAX_RAISED_REMARK:
+        return text
+    return f"{text[:MAX_RAISED_REMARK]}... ({len(text)} characters)"
 
 
 class _LockLost(Exception):
@@ -421,26 +441,36 @@ class PushConsumer:
                 "tryUnlockTimes": 0}
         return encode_consumer_running_info(props, subs, queues, thread_stacks() if jstack else None)
 
-    async def _consume_directly(self, msg: MessageExt) -> bytes | str:
+    async def _consume_directly(self, msg: MessageExt) -> bytes | str | tuple[int, str]:
         """A message an operator hands this consumer (CONSUME_MESSAGE_DIRECTLY) given to the listener once, beside
         the pull loops, as ConsumeMessage{Concurrently,Orderly}Service.consumeMessageDirectly: its offset moves
-        nothing and a failure is not sent back. The ConsumeMessageDirectlyResult: CR_SUCCESS, or CR_LATER for a
-        listener that asked for it again, raised or ran past consume_timeout_s (said in the log, as always).
+        nothing and a failure is not sent back. The ConsumeMessageDirectlyResult: CR_SUCCESS; CR_LATER for a
+        listener that asked for it again; CR_THROW_EXCEPTION, with what it raised as its remark, for one that raised
+        or ran past consume_timeout_s; CR_RETURN_NULL for one that returned None (said in the log, as always).
+        At most MAX_DIRECT_AT_ONCE run at once, one more answered SYSTEM_BUSY: the broker gives up on each after
+        10 s, the listener's call goes on up to consume_timeout_s, and the connection it came on stops reading
+        past 1,024 requests in hand -- the pulls' answers with them, and consumption stalled.
         Shutdown keeps to it as to the pull loops' calls: none begins once it has begun (refused, saying so), and
         one running is given shutdown_grace_s, then cancelled."""
         if self._stopping:
             return f"push consumer {self.group} is shutting down: message {msg.msg_id} not given to its listener"
+        if len(self._direct) >= MAX_DIRECT_AT_ONCE:
+            log.warning("push consumer %s: message %s handed directly refused: %d earlier ones are still in the "
+                        "listener (a listener that hangs?)", self.group, msg.msg_id, len(self._direct))
+            return ResponseCode.SYSTEM_BUSY, (
+                f"push consumer {self.group}: {len(self._direct)} messages handed directly are still in its "
+                f"listener (at most {MAX_DIRECT_AT_ONCE}), try again later")
         self._as_subscribed(msg)
         began = time.monotonic()
         task = asyncio.current_task()
         self._direct.add(task)
         try:
-            status = await self._call_listener(msg)
+            _status, result, remark = await self._listener_verdict(msg)
         finally:
             self._direct.discard(task)
-        result = "CR_SUCCESS" if status is ConsumeStatus.CONSUME_SUCCESS else "CR_LATER"
-        return json.dumps({"autoCommit": True, "consumeResult": result, "order": self.orderly,
-                           "spentTimeMills": int((time.monotonic() - began) * 1000)}, separators=(",", ":")).encode()
+        body = {"autoCommit": True, "consumeResult": result, "order": self.orderly, "remark": remark,
+                "spentTimeMills": int((time.monotonic() - began) * 1000)}
+        return json.dumps({k: v for k, v in body.items() if v is not None}, separators=(",", ":")).encode()
 
     async def _heartbeat(self, only: list[str] | None = None) -> None:
         await self.client.heartbeat("CONSUME_PASSIVELY", _CONSUME_FROM[self.consume_from], self.message_model,
@@ -959,6 +989,12 @@ class PushConsumer:
         return status
 
     async def _call_listener(self, msg: MessageExt) -> ConsumeStatus:
+        return (await self._listener_verdict(msg))[0]
+
+    async def _listener_verdict(self, msg: MessageExt) -> tuple[ConsumeStatus, str, str | None]:
+        """The listener's call on ``msg``: its status, the CMResult a Java consumer's consumeMessageDirectly names
+        it (CR_SUCCESS, CR_LATER, CR_THROW_EXCEPTION for a raise or a call past consume_timeout_s, CR_RETURN_NULL
+        for a listener that returned None), and why it failed (the ConsumeMessageDirectlyResult's remark)."""
         deadline = None
         try:
             status = self.listener(msg)
@@ -971,19 +1007,21 @@ class PushConsumer:
             # Not a cancel of this call: something the listener awaited was cancelled. Let through, it ended the
             # pull loop as cancelled, and its queue stayed owned and unconsumed for good.
             log.warning("listener raised CancelledError on %s (nothing cancelled it): RECONSUME_LATER", msg.msg_id)
-            return ConsumeStatus.RECONSUME_LATER
+            return ConsumeStatus.RECONSUME_LATER, "CR_THROW_EXCEPTION", "CancelledError"
         except Exception as exc:  # noqa: BLE001 - a failing listener is RECONSUME_LATER, as in Java
             if deadline is not None and deadline.expired():     # not the listener's own TimeoutError
                 log.warning("listener still running on %s after %g s (consume_timeout_s): cancelled, "
                             "RECONSUME_LATER", msg.msg_id, self.consume_timeout_s)
-                return ConsumeStatus.RECONSUME_LATER
-            log.warning("listener failed on %s: %s", msg.msg_id, exc)
-            return ConsumeStatus.RECONSUME_LATER
+                return (ConsumeStatus.RECONSUME_LATER, "CR_THROW_EXCEPTION",
+                        f"listener still running after {self.consume_timeout_s:g} s (consume_timeout_s): cancelled")
+            raised = _raised(exc)
+            log.warning("listener failed on %s: %s", msg.msg_id, raised)
+            return ConsumeStatus.RECONSUME_LATER, "CR_THROW_EXCEPTION", raised
         if status is ConsumeStatus.CONSUME_SUCCESS:
-            return status
+            return status, "CR_SUCCESS", None
         if status is not ConsumeStatus.RECONSUME_LATER:     # a forgotten return: said, as RocketMQ does
             log.warning("listener returned %r on %s, not a ConsumeStatus: RECONSUME_LATER", status, msg.msg_id)
-        return ConsumeStatus.RECONSUME_LATER
+        return ConsumeStatus.RECONSUME_LATER, "CR_RETURN_NULL" if status is None else "CR_LATER", None
 
     def _as_subscribed(self, msg: MessageExt) -> None:
         """A retry's topic made the one the user subscribed to (RocketMQ's resetRetryAndNamespace)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import urllib.request
 
 import pytest
 
@@ -373,7 +374,7 @@ async def test_get_consumer_status_asks_each_consumer_of_the_group(broker):
 async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consumer_goes(broker):
     """Each forwarded request waits up to 10 s for the consumer, holding its request (a 309: a copy of a stored
     message, up to 4 MiB): without a limit, a consumer that never answered and admins asking again and again
-    held memory without bound. Past MAX_FORWARDING waiting, SYSTEM_BUSY at once; the consumer's connection
+    held memory without bound. Past MAX_FORWARDING waiting, SYSTEM_BUSY at once (counted); the consumer's connection
     closing answers the waiting ones at once, not after their 10 s."""
     from broker.processors.forward import MAX_FORWARDING
 
@@ -401,6 +402,9 @@ async def test_requests_waiting_for_consumers_are_limited_and_end_when_the_consu
         busy = await asyncio.wait_for(ask(), 5)
         assert busy.code == ResponseCode.SYSTEM_BUSY and "waiting for consumers" in busy.remark
         assert len(asked) == MAX_FORWARDING and not any(w.done() for w in waiting)
+        scraped = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+        assert 'txmq_requests_refused_total{reason="forwarding"} 1.0' in scraped.splitlines()      # (counted)
         consumer.close()
         answers = await asyncio.wait_for(asyncio.gather(*waiting), 5)
         assert {a.code for a in answers} == {ResponseCode.SYSTEM_ERROR}
@@ -896,6 +900,38 @@ async def test_a_txmq_push_consumer_answers_consumer_running_info_as_a_java_one(
         assert other.code == ResponseCode.SYSTEM_ERROR     # (the broker: not online, or the consumer: not its group)
 
 
+@contextlib.asynccontextmanager
+async def _handed_directly(broker, group: str, listener, ready: asyncio.Event, msg_id: str, **kw):
+    """A txmq PushConsumer of ``group`` on Orders, started and ``ready``; yields it and the fields of a
+    CONSUME_MESSAGE_DIRECTLY of ``msg_id`` to it."""
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first", **kw)
+    consumer.subscribe("Orders")
+    await consumer.start()
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        yield consumer, {"consumerGroup": group, "clientId": consumer.client.client_id, "msgId": msg_id}
+    finally:
+        await consumer.shutdown()
+
+
+def _pulled_then_handed(on_direct):
+    """A listener consuming the first message its pull loops deliver (``pulled`` set) and b"after" (kept in
+    ``consumed``, ``after`` set); every other message -- those handed directly -- given to ``on_direct`` (a
+    coroutine function). Returns (listener, pulled, after, consumed)."""
+    pulled, after, consumed = asyncio.Event(), asyncio.Event(), []
+
+    async def listener(msg):
+        if msg.body == b"after":
+            consumed.append(msg.body)
+            after.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        if not pulled.is_set():                 # (the pull loop's delivery of the first message)
+            pulled.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        return await on_direct(msg)
+    return listener, pulled, after, consumed
+
+
 @bounded(60)
 async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(broker):
     """mqadmin queryMsgById -g G -d C (the dashboard's resend) has the broker pass the stored message to that
@@ -913,13 +949,7 @@ async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(bro
         first.set()
         return ConsumeStatus.CONSUME_SUCCESS if len(seen) < 3 else ConsumeStatus.RECONSUME_LATER
 
-    consumer = PushConsumer(broker.namesrv, "CG_direct_txmq", listener, consume_from="first")
-    consumer.subscribe("Orders")
-    await consumer.start()
-    try:
-        await asyncio.wait_for(first.wait(), 20)
-        fields = {"consumerGroup": "CG_direct_txmq", "clientId": consumer.client.client_id,
-                  "msgId": sent.offset_msg_id}
+    async with _handed_directly(broker, "CG_direct_txmq", listener, first, sent.offset_msg_id) as (_, fields):
         for expected in ("CR_SUCCESS", "CR_LATER"):
             resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
             assert (resp.code, resp.remark) == (ResponseCode.SUCCESS, None)
@@ -929,8 +959,122 @@ async def test_a_txmq_push_consumer_consumes_a_message_handed_to_it_directly(bro
         assert seen == [("Orders", b"resend me", "created")] * 3
         other = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, {**fields, "consumerGroup": "CG_other"})
         assert other.code == ResponseCode.SYSTEM_ERROR and len(seen) == 3
-    finally:
-        await consumer.shutdown()
+
+
+@bounded(60)
+async def test_a_message_handed_directly_answers_what_the_listener_did_as_a_java_consumer(broker):
+    """mqadmin queryMsgById -g G -d C prints the ConsumeMessageDirectlyResult the consumer answers. A txmq push
+    consumer whose listener raised answered CR_LATER with no remark, as though the listener had asked for the
+    message again, and one that returned None the same: the operator could not tell a failing listener from a
+    refusing one, nor see why. As 4.9.8's consumeMessageDirectly: a raise is CR_THROW_EXCEPTION with what was
+    raised as the remark, a None CR_RETURN_NULL."""
+    async with Producer(broker.namesrv, "PG_direct_verdict") as producer:
+        sent = await producer.send("Orders", b"judge me")
+    consumed = asyncio.Event()
+    direct = []
+
+    def listener(msg):
+        if not consumed.is_set():                      # (the pull loop's delivery: consumed at once)
+            consumed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        direct.append(msg.body)
+        if len(direct) == 1:
+            raise ValueError("no stock for order 42")
+        return None
+
+    async with _handed_directly(broker, "CG_direct_verdict", listener, consumed, sent.offset_msg_id) as (_, fields):
+        raised = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+        assert (raised.code, raised.remark) == (ResponseCode.SUCCESS, None)
+        result = json.loads(raised.body_bytes())
+        assert list(result) == ["autoCommit", "consumeResult", "order", "remark", "spentTimeMills"]   # fastjson's
+        assert result["consumeResult"] == "CR_THROW_EXCEPTION", result
+        assert result["remark"] == "ValueError: no stock for order 42"
+        null = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields)
+        result = json.loads(null.body_bytes())
+        assert (result["consumeResult"], "remark" in result) == ("CR_RETURN_NULL", False), result
+        assert direct == [b"judge me"] * 2
+
+
+@bounded(60)
+async def test_what_a_listener_raised_on_a_message_handed_directly_is_bounded_and_never_raises_again(broker):
+    """CR_THROW_EXCEPTION's remark was the exception's whole str(): a listener raising with 17 MiB of text (a
+    payload dumped into its message) answered a frame past the 16 MiB the broker reads, so the broker closed the
+    consumer's connection -- its pulls with it -- and the 309 got no answer; one whose __str__ raised raised again
+    out of the listener's call, in the pull loops too. The remark keeps MAX_RAISED_REMARK characters and says how
+    many there were, and an unprintable exception is named by its type."""
+    from consumer.push_consumer import MAX_RAISED_REMARK
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str for you")
+
+    async with Producer(broker.namesrv, "PG_direct_raised") as producer:
+        sent = await producer.send("Orders", b"raise on me")
+        direct = []
+
+        async def raising(msg):
+            direct.append(msg.body)
+            if len(direct) == 1:
+                raise ValueError("x" * (17 << 20))
+            raise Unprintable()
+        listener, first, more, after = _pulled_then_handed(raising)
+
+        async with _handed_directly(broker, "CG_direct_raised", listener, first, sent.offset_msg_id) as (_, fields):
+            results = []
+            for _ in range(2):
+                resp = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15)
+                assert (resp.code, resp.remark) == (ResponseCode.SUCCESS, None), (resp.code, resp.remark)
+                results.append(json.loads(resp.body_bytes()))
+            assert [r["consumeResult"] for r in results] == ["CR_THROW_EXCEPTION"] * 2, results
+            huge, unprintable = (r["remark"] for r in results)
+            assert huge.startswith("ValueError: xxx"), huge[:100]
+            assert huge.endswith(f"... ({len('ValueError: ') + (17 << 20)} characters)"), huge[-100:]
+            assert len(huge) <= MAX_RAISED_REMARK + 100, len(huge)
+            assert unprintable.startswith("Unprintable") and "RuntimeError" in unprintable, unprintable
+            await producer.send("Orders", b"after")
+            await asyncio.wait_for(more.wait(), 20)    # the consumer's connection and pull loops go on
+            assert (direct, after) == ([b"raise on me"] * 2, [b"after"])
+
+
+@bounded(90)
+async def test_messages_handed_directly_to_a_hung_listener_are_bounded_and_consumption_goes_on(broker):
+    """Each CONSUME_MESSAGE_DIRECTLY (309) a txmq push consumer took ran its listener call until it returned or
+    consume_timeout_s (900 s) passed, however many there were: the broker gives up on each after 10 s, so an
+    operator retrying a resend against a hung listener piled calls up, and past 1,024 in hand the consumer's
+    connection to the broker stopped reading -- the pulls' answers with it, and the consumer stopped consuming,
+    saying nothing. At most MAX_DIRECT_AT_ONCE run at once; one more is answered SYSTEM_BUSY at once, saying
+    why, and the pull loops go on consuming."""
+    from consumer.push_consumer import MAX_DIRECT_AT_ONCE
+    async with Producer(broker.namesrv, "PG_direct_hung") as producer:
+        sent = await producer.send("Orders", b"hang on me")
+        entered, never, all_in = [], asyncio.Event(), asyncio.Event()
+
+        async def hanging(msg):
+            entered.append(msg.body)
+            if len(entered) == MAX_DIRECT_AT_ONCE:
+                all_in.set()
+            await never.wait()                     # a listener that hangs on the messages handed directly
+            return ConsumeStatus.CONSUME_SUCCESS
+        listener, first, more, consumed = _pulled_then_handed(hanging)
+
+        held = []
+        try:
+            async with _handed_directly(broker, "CG_direct_hung", listener, first, sent.offset_msg_id,
+                                        shutdown_grace_s=0.2, abandon_after_s=1.0) as (_, fields):
+                held = [asyncio.create_task(request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15))
+                        for _ in range(MAX_DIRECT_AT_ONCE)]
+                await asyncio.wait_for(all_in.wait(), 20)
+                busy = await request(broker.broker, R.CONSUME_MESSAGE_DIRECTLY, fields, timeout=15)
+                assert busy.code == ResponseCode.SYSTEM_BUSY, (busy.code, busy.remark)
+                assert "still in its listener" in busy.remark and str(MAX_DIRECT_AT_ONCE) in busy.remark, busy.remark
+                assert len(entered) == MAX_DIRECT_AT_ONCE      # the refused one never reached the listener
+                await producer.send("Orders", b"after")
+                await asyncio.wait_for(more.wait(), 20)        # the pull loops go on beside the hung calls
+                assert consumed == [b"after"]
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
 
 
 @bounded(60)
@@ -1034,7 +1178,8 @@ async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(
     """Each GET_BROKER_CONSUME_STATS (317) holds its body, up to a frame's 16 MiB, until it is sent, and they ran
     all at once: 8 of 19.6 MB took the broker from 90 to 423 MB, and one connection may have 1,024 in flight.
     RocketMQ answers admin codes on 16 threads; txmq works on MAX_BROKER_CONSUME_STATS of them at once and
-    answers one past that SYSTEM_BUSY, saying to try again."""
+    answers one past that SYSTEM_BUSY, saying to try again, and counts it (txmq_requests_refused_total, uncounted
+    before: an operator's tool refused again and again left no trace on the broker's side)."""
     from broker.processors.ops import MAX_BROKER_CONSUME_STATS
     conn = await _connect(broker.broker)
     try:
@@ -1050,6 +1195,9 @@ async def test_broker_consume_stats_at_once_are_bounded_as_4_9_8s_admin_threads(
         assert codes == [ResponseCode.SUCCESS] * MAX_BROKER_CONSUME_STATS + [ResponseCode.SYSTEM_BUSY] * 4, codes
         busy = next(r for r in replies if r.code == ResponseCode.SYSTEM_BUSY)
         assert "try again" in busy.remark, busy.remark
+        scraped = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{broker.metrics}/metrics", timeout=5).read().decode())
+        assert 'txmq_requests_refused_total{reason="broker-consume-stats"} 4.0' in scraped.splitlines()   # (counted)
         again = await conn.request(RemotingCommand.request(R.GET_BROKER_CONSUME_STATS, {"isOrder": "false"}), 30)
         assert again.code == ResponseCode.SUCCESS         # (each slot given back)
     finally:
@@ -1123,3 +1271,33 @@ async def test_a_pull_consumers_status_is_the_offset_its_broker_holds_after_comm
             [(_, offsets)] = obj["consumerTable"].items()
             reported = {json.loads(k)["queueId"]: v for k, v in offsets.items()}
             assert (held, reported) == (10 * round_ + 2, {mqs[0].queue_id: held}), round_
+
+
+@bounded(60)
+async def test_a_pull_consumers_status_holds_the_offsets_it_fetched(broker):
+    """A Java pull consumer's fetchConsumeOffset(mq, true) puts the broker's offset in its offset store, so mqadmin
+    getConsumerStatus (223, each consumer's 221) shows it before the consumer commits. A txmq PullConsumer kept only
+    what it committed: one that had fetched its offsets and was consuming from them answered an empty table. It
+    keeps a fetched offset too, until a commit made after the fetch."""
+    async with Producer(broker.namesrv, "PG_pull_fetched") as producer:
+        await producer.send("Orders", b"x")
+    async with PullConsumer(broker.namesrv, "CG_pull_fetched") as consumer:
+        await consumer.subscribe("Orders")
+        mq = (await consumer.fetch_queues("Orders"))[0]
+        moved = await request(broker.broker, R.UPDATE_CONSUMER_OFFSET, {      # (another of the group's members)
+            "topic": "Orders", "queueId": mq.queue_id, "consumerGroup": "CG_pull_fetched", "commitOffset": 3})
+        assert moved.code == ResponseCode.SUCCESS, moved.remark
+
+        async def reported():
+            status = await request(broker.broker, R.INVOKE_BROKER_TO_GET_CONSUMER_STATUS,
+                                   {"topic": "Orders", "group": "CG_pull_fetched"})
+            assert status.code == ResponseCode.SUCCESS, status.remark
+            obj, _ = decode_mq_table(status.body_bytes(), "messageQueueTable")
+            return {cid: {json.loads(k)["queueId"]: v for k, v in table.items()}
+                    for cid, table in obj["consumerTable"].items()}
+
+        assert await consumer.fetch_offset(mq) == 3
+        assert await reported() == {consumer.client_id: {mq.queue_id: 3}}
+        await consumer.commit_offset(mq, 5)
+        assert await consumer.fetch_offset(mq) == 5
+        assert await reported() == {consumer.client_id: {mq.queue_id: 5}}
