@@ -23,7 +23,8 @@ nothing can be skipped. At start-up ``covered`` is the larger of ``index/progres
 every 10 s after an fsync of the files) and the newest entry's record, neither past the end
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
-message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
+message. A damaged index file (IndexCorrupt; an error reading one is raised, never taken for damage) is
+removed with the files after it, logged at ERROR, and rebuilt
 from the commit log. A write error stops indexing (``failed``); an OSError (a full disk's, ENOSPC or
 EDQUOT, or any other: out of descriptors, a mapping refused, an I/O error that passed) is
 tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
@@ -313,12 +314,22 @@ class IndexService:
             path = os.path.join(self.directory, name)
             try:
                 self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
-            except (IndexCorrupt, OSError) as exc:
-                if isinstance(exc, OSError) and exc.errno in _NOT_THE_FILE:
-                    # The process's or the file system's, not the file's: removed and rebuilt for it, the index
-                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume keeps
-                    # the files it had open, searched as far as before (_resume).
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:       # removed since listed: the newer ones start past a gap
+                    self._drop_damaged(names[i:], str(exc))
+                    break
+                # Only IndexCorrupt is the file's damage. An error reading it -- the process's or the file system's
+                # (EROFS, EMFILE, ENOMEM), the disk's (EIO: a flaky disk's passes) or a permission (EACCES: a broker
+                # once run as root) -- was taken for it: the file and every newer one unlinked and rebuilt from the
+                # log for nothing (a full rebuild for an error that passes; a resume's queries answered nothing
+                # meanwhile). Raised: a resume keeps the files it had open, searched as far as before, and is tried
+                # again (the index thread's ERROR, once); a start fails naming the file and what to do.
+                if exc.errno in _NOT_THE_FILE:
                     raise
+                raise OSError(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing was removed: "
+                              "if the error passes, start again; if it stays, remove that file and the newer ones "
+                              f"from {self.directory} and the broker rebuilds them from the commit log", path) from exc
+            except IndexCorrupt as exc:
                 self._drop_damaged(names[i:], str(exc))
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)

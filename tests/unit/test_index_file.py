@@ -609,6 +609,73 @@ async def test_an_index_file_not_opened_for_lack_of_descriptors_is_not_taken_for
     await store.close()
 
 
+
+
+@bounded(20)
+@pytest.mark.parametrize("error", [errno.EIO, errno.EACCES])
+async def test_an_index_file_a_start_cannot_read_is_kept_not_taken_for_damaged(tmp_path, monkeypatch, error):
+    """An I/O error reading an older index file's header at start-up (a flaky disk's transient EIO), or a file the
+    broker may not open (EACCES: a broker run once as root left it root's), was taken for damage: that file and
+    every newer one unlinked ("is damaged ... removing it"), and all their entries re-read from the commit log --
+    for good, where retention had removed the records some of them pointed into. Only a file that cannot be the
+    index (IndexCorrupt) is damage now: any other error fails the start naming the file and what to do, and removes
+    nothing; the next start (the error passed) answers from the same files, nothing rebuilt."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=3)        # (a new file every 2 entries)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    names = sorted(os.listdir(tmp_path / "index"))
+    assert len([n for n in names if n != "progress"]) >= 3
+    unreadable = str(tmp_path / "index" / names[0])
+    real = IndexFile._load
+
+    def failing(self):
+        if self.path == unreadable:
+            raise OSError(error, os.strerror(error), self.path)
+        return real(self)
+    monkeypatch.setattr(IndexFile, "_load", failing)
+    with pytest.raises(OSError) as raised:
+        await _service(tmp_path, store, entries=3)
+    assert names[0] in str(raised.value) and "remove" in str(raised.value), raised.value
+    assert sorted(os.listdir(tmp_path / "index")) == names
+    monkeypatch.setattr(IndexFile, "_load", real)
+    svc = await _service(tmp_path, store, entries=3)
+    assert svc.rebuilt == [] and len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 3
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_an_index_file_a_resume_cannot_read_is_kept_and_read_once_the_error_passes(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """A write error stopped indexing, and the resume met an EIO reading an index file back: the file and every
+    newer one were unlinked as damaged and rebuilt. The files are kept now, answering as before; the resume is tried
+    again (said once) and reads them once the error passes."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=3)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    names = sorted(os.listdir(tmp_path / "index"))
+    real_put, real_load = IndexFile.put_many, IndexFile._load
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def failing(self):
+        raise OSError(errno.EIO, "Input/output error", self.path)
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    monkeypatch.setattr(IndexFile, "_load", failing)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"lost{i}"})) for i in range(2)]
+        for _ in range(4):          # each query a turn of the index thread: the resume tried, and failing
+            assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 3
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("damaged" in m for m in said), said
+    assert set(names) <= set(os.listdir(tmp_path / "index"))
+    assert sum("Input/output error" in m for m in said) == 1, said
+    monkeypatch.setattr(IndexFile, "put_many", real_put)
+    monkeypatch.setattr(IndexFile, "_load", real_load)
+    await _found_after_the_resume(svc, store, lost)
 @bounded(20)
 async def test_an_index_directory_removed_while_the_broker_runs_is_rebuilt(tmp_path, monkeypatch):
     """index/ removed under a running broker (an operator's cleanup): the entries went on into the unlinked file
