@@ -346,9 +346,16 @@ class IndexService:
         # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
         # with no entries behind it would skip the whole log before it -- unless it was saved with no file: then
         # no record before it needed an entry, and a file made after it holds entries of records past it only.)
-        progress, without_files = self._read_progress()
+        progress, without_files, damage = self._read_progress()
         if not self.rebuilt and (names or without_files):
             start = max(start, min(progress, log_end))
+        if damage is not None:
+            # Not taken, unsaid: the start re-read the log from the newest entry's record -- with no index file (a
+            # log of records without keys), all of it, a slow start nobody could explain.
+            self._said_once(("progress", damage), "index: %s is %s: not taken; catching up %d bytes of the commit log "
+                            "from offset %d (%s); it is written again once caught up", self._progress_path(), damage,
+                            max(log_end - start, 0), start, "the newest index entry's record" if newest is not None
+                            else "the log's first: no index file to go by")
         self.covered = start
         behind = log_end - start
         (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
@@ -359,33 +366,45 @@ class IndexService:
         # Once a failure run, as its write errors: a file a resume could not remove (a file system turned read-only)
         # was found again at every attempt, two ERRORs each 10 s for as long as the disk stayed so.
         kind = ("damaged", names[0])
-        say = log.error if not (self._failing and kind in self._said_kinds) else log.debug
-        self._said_kinds.add(kind)
-        say("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit log from "
-            "offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1 else "", prev)
+        self._said_once(kind, "index file %s is damaged (%s): removing it%s and rebuilding their entries from the "
+                        "commit log from offset %d", names[0], why,
+                        f" and the {len(names) - 1} newer files" if len(names) > 1 else "", prev, level=logging.ERROR)
         for name in names:
             try:
                 os.unlink(os.path.join(self.directory, name))
             except OSError as exc:
-                say("could not remove index file %s: %s", name, exc)
+                self._said_once(kind + (name,), "could not remove index file %s: %s", name, exc, level=logging.ERROR)
         self.rebuilt = list(names)
 
-    def _read_progress(self) -> tuple[int, bool]:
-        """(covered as saved, whether it was saved with no index file); (0, False) if none or damaged."""
+    def _said_once(self, kind, msg: str, *args, level: int = logging.WARNING) -> None:
+        """Once a failure run, as its write errors: what a resume found again (a file a file system turned read-only
+        would not let it remove) was said at every attempt, each 10 s for as long as the disk stayed so."""
+        seen = self._failing and kind in self._said_kinds
+        self._said_kinds.add(kind)
+        log.log(logging.DEBUG if seen else level, msg, *args)
+
+    def _progress_path(self) -> str:
+        return os.path.join(self.directory, PROGRESS_FILE)
+
+    def _read_progress(self) -> tuple[int, bool, str | None]:
+        """(covered as saved, whether it was saved with no index file, None); (0, False, why) if damaged or not
+        readable, (0, False, None) if there is none."""
         try:
-            with open(os.path.join(self.directory, PROGRESS_FILE), "rb") as fh:
+            with open(self._progress_path(), "rb") as fh:
                 raw = fh.read(_PROGRESS_FLAGGED.size + 1)
-        except OSError:
-            return 0, False
+        except FileNotFoundError:
+            return 0, False, None
+        except OSError as exc:
+            return 0, False, f"not readable ({exc.strerror})"
         if len(raw) == _PROGRESS.size:
             (value, crc), without_files = _PROGRESS.unpack(raw), 0
         elif len(raw) == _PROGRESS_FLAGGED.size:
             value, without_files, crc = _PROGRESS_FLAGGED.unpack(raw)
         else:
-            return 0, False
+            return 0, False, f"damaged ({len(raw)} bytes, not {_PROGRESS_FLAGGED.size})"
         if crc != zlib.crc32(raw[:-4]) or value < 0:
-            return 0, False
-        return value, without_files == 1
+            return 0, False, "damaged (its checksum does not match)"
+        return value, without_files == 1, None
 
     # ------------------------------------------------------------ the index thread
     def _main(self) -> None:
@@ -529,7 +548,7 @@ class IndexService:
             self.files[-1].sync()       # entries before the progress that says they exist
         raw = struct.pack(">qB", value, not self.files)
         raw += struct.pack(">I", zlib.crc32(raw))
-        path = os.path.join(self.directory, PROGRESS_FILE)
+        path = self._progress_path()
         tmp = path + ".tmp"
         with open(tmp, "wb") as fh:
             fh.write(raw)

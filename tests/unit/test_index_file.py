@@ -808,7 +808,7 @@ async def test_a_progress_file_of_the_earlier_format_is_still_read(tmp_path):
     await svc.close()
     raw = struct.pack(">q", store.max_physical_offset)
     (tmp_path / "index" / index_mod.PROGRESS_FILE).write_bytes(raw + struct.pack(">I", zlib.crc32(raw)))
-    assert svc._read_progress() == (store.max_physical_offset, False)
+    assert svc._read_progress() == (store.max_physical_offset, False, None)
     await store.close()
 
 
@@ -1521,7 +1521,7 @@ async def test_index_files_made_after_a_progress_saved_with_none_and_then_remove
         assert (await store.put(PutRequest.build("T", b"y" * 100))).ok
     assert (await svc.query("T", "kept", 64, 0, 2**62)).found == [keyed.physical_offset]
     await svc.close()                   # saved past the keyed record, a file held
-    assert svc._read_progress() == (store.max_physical_offset, False)
+    assert svc._read_progress() == (store.max_physical_offset, False, None)
     for name in os.listdir(tmp_path / "index"):
         if name.isdigit():
             os.unlink(tmp_path / "index" / name)
@@ -1542,12 +1542,53 @@ async def test_a_damaged_progress_with_no_index_file_is_caught_up_from_the_start
     await svc.close()
     path = tmp_path / "index" / index_mod.PROGRESS_FILE
     raw = path.read_bytes()
-    assert len(raw) == 13 and svc._read_progress() == (store.max_physical_offset, True)
+    assert len(raw) == 13 and svc._read_progress() == (store.max_physical_offset, True, None)
     for bad in (raw[:12], raw[:8] + b"\x02" + raw[9:], raw[:-1] + bytes([raw[-1] ^ 1])):
         path.write_bytes(bad)
-        assert svc._read_progress() == (0, False)
+        assert svc._read_progress() [:2] == (0, False)
     await store.close()
 
+
+
+@bounded(20)
+@pytest.mark.parametrize("fault", ["torn", "checksum", "EIO"])
+async def test_a_progress_not_taken_is_said_with_where_the_catch_up_starts(tmp_path, monkeypatch, caplog, fault):
+    """A damaged ``index/progress`` (torn, a wrong checksum) or one that could not be read (EIO) was ignored without a
+    word: a log of records without keys (no index file to go by) was re-read from its start, 3 records' bytes here
+    and the whole log on a real one, before a save wrote the progress again -- a slow start nobody
+    could explain. It is said at WARNING, once, with the offset the catch-up starts from."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    path = tmp_path / "index" / index_mod.PROGRESS_FILE
+    raw = path.read_bytes()
+    if fault == "torn":
+        path.write_bytes(raw[:7])
+    elif fault == "checksum":
+        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    else:
+        real_open = open
+
+        def failing(file, *args, **kw):
+            if str(file) == str(path):
+                raise OSError(errno.EIO, "Input/output error", str(file))
+            return real_open(file, *args, **kw)
+        monkeypatch.setattr("builtins.open", failing)
+    with caplog.at_level(logging.WARNING, logger="txmq.index"):
+        svc = await _service(tmp_path, store)
+    monkeypatch.undo()
+    said = [r.getMessage() for r in caplog.records if "progress" in r.getMessage()]
+    assert svc.covered == 0 and len(said) == 1, said
+    assert str(path) in said[0] and "from offset 0" in said[0] and \
+        f"catching up {store.max_physical_offset} bytes" in said[0], said
+    assert ("Input/output error" if fault == "EIO" else "damaged") in said[0], said
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "later"}))
+    assert (await svc.query("T", "later", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()
+    await store.close()
 
 @bounded(20)
 async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_them_open(tmp_path, monkeypatch):
