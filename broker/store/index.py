@@ -23,8 +23,8 @@ nothing can be skipped. At start-up ``covered`` is the larger of ``index/progres
 every 10 s after an fsync of the files) and the newest entry's record, neither past the end
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
-message. A damaged index file (IndexCorrupt; an error reading one is raised, never taken for damage) is
-removed with the files after it, logged at ERROR, and rebuilt
+message. A damaged index file (IndexCorrupt; one that cannot be read is kept, indexing stopped until it
+can be: IndexUnreadable) is removed with the files after it, logged at ERROR, and rebuilt
 from the commit log. A write error stops indexing (``failed``); an OSError (a full disk's, ENOSPC or
 EDQUOT, or any other: out of descriptors, a mapping refused, an I/O error that passed) is
 tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
@@ -204,12 +204,29 @@ class IndexService:
         from its index while the reput service catches up."""
         self._loop = asyncio.get_running_loop()
         self._log_min, self._seen_end = log_min, log_end
-        await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        try:
+            await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        except IndexUnreadable as exc:
+            self._stopped_at_start(exc, log_min, log_end)
         self._catch_up_from = (self.covered, time.monotonic())     # (said once the start's catch-up is through)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
         self._catching_up = True
         self._thread.start()
         self._q.put(lambda: self._catch_up(log_end))
+
+    def _stopped_at_start(self, exc: "IndexUnreadable", log_min: int, log_end: int) -> None:
+        """An index file the start could not read (EIO, EACCES): answered from the files before it, indexing stopped
+        as by a write error (txmq_index_failed) and the files read again every resume_every_s (_resume), as a start
+        reads them. The progress is not taken: it covers the files not read."""
+        newest = next((f for f in reversed(self.files) if f.count > 1), None)
+        self.covered = max(log_min, min(newest.end_phy, log_end)) if newest is not None else log_min
+        self.failed = str(exc)
+        self._failing = self._resumable = True
+        self._failed_at = time.monotonic()
+        self._said_kinds = {exc.errno}      # (said here; a resume that fails again the same way is quiet)
+        log.error("index: %s; queries by key are answered from the %d index files before it (messages from "
+                  "commit-log offset %d on are not searched) and it is read again every %.0f s", exc, len(self.files),
+                  self.covered, self.resume_every_s)
 
     async def close(self) -> None:
         if self._thread is None:
@@ -250,8 +267,9 @@ class IndexService:
 
     @property
     def stopped(self) -> bool:
-        """Indexing stopped by a write error and not caught up since (txmq_index_failed). Not ``failed`` alone:
-        a resume clears that while it tries, and the gauge read 0 for that moment every interval of a full disk."""
+        """Indexing stopped by a write error (or an index file a start could not read) and not caught up since
+        (txmq_index_failed). Not ``failed`` alone: a resume clears that while it tries, and the gauge read 0 for that
+        moment every interval of a full disk."""
         return self.failed is not None or self._failing
 
     @property
@@ -323,12 +341,13 @@ class IndexService:
                 # once run as root) -- was taken for it: the file and every newer one unlinked and rebuilt from the
                 # log for nothing (a full rebuild for an error that passes; a resume's queries answered nothing
                 # meanwhile). Raised: a resume keeps the files it had open, searched as far as before, and is tried
-                # again (the index thread's ERROR, once); a start fails naming the file and what to do.
+                # again (the index thread's ERROR, once); a start answers from the files before it (open).
                 if exc.errno in _NOT_THE_FILE:
                     raise
-                raise OSError(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing was removed: "
-                              "if the error passes, start again; if it stays, remove that file and the newer ones "
-                              f"from {self.directory} and the broker rebuilds them from the commit log", path) from exc
+                raise IndexUnreadable(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing "
+                                      "was removed; if the error stays, remove that file and the newer ones from "
+                                      f"{self.directory} and the broker rebuilds them from the commit log",
+                                      path) from exc
             except IndexCorrupt as exc:
                 self._drop_damaged(names[i:], str(exc))
                 break
@@ -716,7 +735,7 @@ class IndexService:
                 # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.
                 self._save_progress()
                 self._failing = False
-                log.warning("index: caught up with the commit log again after a write error stopped it (to offset %d)",
+                log.warning("index: caught up with the commit log again after an error stopped it (to offset %d)",
                             self.covered)
             elif done and self._catch_up_from is not None and not self._closed and self.failed is None:
                 start, began = self._catch_up_from
@@ -927,6 +946,10 @@ class QueryResult(NamedTuple):
     # The commit-log offset from which records were not searched, taken on the index thread with the answer: the
     # index catching up (a start, a resume after a full disk, a backlog) or stopped; None when it searched them all.
     behind: int | None = None
+
+
+class IndexUnreadable(OSError):
+    """An index file that could not be read (an I/O error, a permission): not damage, nothing removed."""
 
 
 def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> None:
