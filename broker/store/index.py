@@ -331,7 +331,13 @@ class IndexService:
         for i, name in enumerate(names):
             path = os.path.join(self.directory, name)
             try:
-                self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
+                f = IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size)
+                # The one before closed now, not once all are read: every file open at once (~2,600 over 30 days),
+                # past the open-files limit a start failed EMFILE. Not before this one opened: a damaged one after
+                # it leaves it the file written (its descriptor read-write).
+                if self.files:
+                    self.files[-1].park()
+                self.files.append(f)
             except OSError as exc:
                 if exc.errno == errno.ENOENT:       # removed since listed: the newer ones start past a gap
                     self._drop_damaged(names[i:], str(exc))
@@ -360,8 +366,8 @@ class IndexService:
         if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
-        for f in self.files[:-1]:       # (a query opens one again: OPEN_INDEX_FILES)
-            f.park()
+            if newest is not self.files[-1]:
+                newest.park()       # (read again for that: closed as the other older files are)
         # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
         # with no entries behind it would skip the whole log before it -- unless it was saved with no file: then
         # no record before it needed an entry, and a file made after it holds entries of records past it only.)

@@ -190,6 +190,31 @@ async def _restarted_with_older_files_parked(tmp_path, monkeypatch, kept=2):
     return store, svc, kept + 2     # the file being written and its slot table's mapping (mmap dups it)
 
 
+
+@bounded(20)
+async def test_a_start_over_many_index_files_holds_few_of_them_open_at_once(tmp_path, monkeypatch):
+    """The start read every index file back with its descriptor open and closed the older ones only once all were
+    read: ~2,600 open at once over 30 days of retention (one a day at 10k sends/s is ~86 files), and a store of 600
+    under a 256 open-files limit failed to start ("[Errno 24] Too many open files" on an index file); a resume reads
+    them back the same way beside the files it keeps. Each older file is closed as the next is read."""
+    store, svc, held = await _restarted_with_older_files_parked(tmp_path, monkeypatch)
+    files = len(svc.files)
+    await svc.close()
+    seen = []
+    real = IndexFile.open
+
+    def counted(*args, **kw):
+        seen.append(_open_index_files(tmp_path))
+        return real(*args, **kw)
+    monkeypatch.setattr(IndexFile, "open", counted)
+    svc = await _service(tmp_path, store)
+    assert len(seen) == files >= 10
+    assert max(seen) <= 1, f"{max(seen)} index descriptors open while reading {files} files back"
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40
+    assert _open_index_files(tmp_path) <= held
+    await svc.close()
+    await store.close()
+
 @bounded(20)
 async def test_older_index_files_hold_no_descriptor_beyond_the_ones_last_queried(tmp_path, monkeypatch):
     """Every index file kept its descriptor open for as long as it existed: ~86 files a day at 10k sends/s of two
