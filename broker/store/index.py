@@ -340,7 +340,7 @@ class IndexService:
                 self.files.append(f)
             except OSError as exc:
                 if exc.errno == errno.ENOENT:       # removed since listed: the newer ones start past a gap
-                    self._drop_damaged(names[i:], str(exc))
+                    self._drop_damaged(names[i:], str(exc), log_min)
                     break
                 # Only IndexCorrupt is the file's damage. An error reading it -- the process's or the file system's
                 # (EROFS, EMFILE, ENOMEM), the disk's (EIO: a flaky disk's passes) or a permission (EACCES: a broker
@@ -355,7 +355,7 @@ class IndexService:
                                       f"{self.directory} and the broker rebuilds them from the commit log",
                                       path) from exc
             except IndexCorrupt as exc:
-                self._drop_damaged(names[i:], str(exc))
+                self._drop_damaged(names[i:], str(exc), log_min)
                 break
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
         start = log_min
@@ -386,14 +386,20 @@ class IndexService:
         (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
                                            len(self.files), max(behind, 0), start)
 
-    def _drop_damaged(self, names: list[str], why: str) -> None:
+    def _drop_damaged(self, names: list[str], why: str, log_min: int) -> None:
         prev = self.files[-1].end_phy if self.files else 0
+        # From the log's first offset when retention removed the records before it: said "from offset <prev>", the
+        # entries of those records seemed rebuilt. (They are lost, and could not be answered anyway: a query reads
+        # each match's record back.)
+        lost = (f" (not those of records below the commit log's first offset {log_min}: retention removed them, "
+                "no query could be answered from them)") if log_min > prev else ""
         # Once a failure run, as its write errors: a file a resume could not remove (a file system turned read-only)
         # was found again at every attempt, two ERRORs each 10 s for as long as the disk stayed so.
         kind = ("damaged", names[0])
         self._said_once(kind, "index file %s is damaged (%s): removing it%s and rebuilding their entries from the "
-                        "commit log from offset %d", names[0], why,
-                        f" and the {len(names) - 1} newer files" if len(names) > 1 else "", prev, level=logging.ERROR)
+                        "commit log from offset %d%s", names[0], why,
+                        f" and the {len(names) - 1} newer files" if len(names) > 1 else "", max(prev, log_min), lost,
+                        level=logging.ERROR)
         for name in names:
             try:
                 os.unlink(os.path.join(self.directory, name))

@@ -683,6 +683,29 @@ async def test_an_index_file_a_start_cannot_read_is_kept_not_taken_for_damaged(t
     await store.close()
 
 
+
+@bounded(20)
+async def test_a_damaged_index_file_below_the_logs_first_offset_says_what_is_not_rebuilt(tmp_path, caplog):
+    """A damaged index file whose records retention had partly removed: its entries were said rebuilt "from the
+    commit log from offset 0", while the catch-up began at the log's first offset and the entries of the records
+    below it were gone for good (no query could find them: each match's record is read back). Said as it is."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    first = (await svc.query("T", "k1", 64, 0, 2**62)).found
+    await svc.close()
+    path = svc.files[0].path
+    with open(path, "r+b") as fh:                   # an index count past the file's entries
+        fh.seek(36)
+        fh.write(struct.pack(">i", ENTRIES + 5))
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=ENTRIES)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await svc.open(first[0], store.max_physical_offset)     # (as if retention removed the first record)
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and f"from offset {first[0]} (not those of records below" in said[0], said
+    assert (await svc.query("T", "k1", 64, 0, 2**62)).found == first
+    await svc.close()
+    await store.close()
+
 @bounded(20)
 async def test_an_index_file_a_resume_cannot_read_is_kept_and_read_once_the_error_passes(tmp_path, monkeypatch,
                                                                                          caplog):
