@@ -350,10 +350,11 @@ class IndexService:
                 # again (the index thread's ERROR, once); a start answers from the files before it (open).
                 if exc.errno in _NOT_THE_FILE:
                     raise
+                # (The progress too: left, it says their records indexed, and the start caught up past them.)
                 raise IndexUnreadable(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing "
-                                      "was removed; if the error stays, remove that file and the newer ones from "
-                                      f"{self.directory} and the broker rebuilds them from the commit log",
-                                      path) from exc
+                                      "was removed; if the error stays, remove that file, the "
+                                      f"{len(names) - i - 1} newer ones and {PROGRESS_FILE} from {self.directory} "
+                                      "and the broker rebuilds their entries from the commit log", path) from exc
             except IndexCorrupt as exc:
                 self._drop_damaged(names[i:], str(exc), log_min)
                 break
