@@ -24,7 +24,8 @@ every 10 s after an fsync of the files) and the newest entry's record, neither p
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
 message. A damaged index file (IndexCorrupt; one that cannot be read is kept, indexing stopped until it
-can be: IndexUnreadable) is removed with the files after it, logged at ERROR, and rebuilt
+can be: IndexUnreadable; one that can be read but not written is opened read-only, searched and never
+written) is removed with the files after it, logged at ERROR, and rebuilt
 from the commit log. A write error stops indexing (``failed``); an OSError (a full disk's, ENOSPC or
 EDQUOT, or any other: out of descriptors, a mapping refused, an I/O error that passed) is
 tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
@@ -358,6 +359,12 @@ class IndexService:
             except IndexCorrupt as exc:
                 self._drop_damaged(names[i:], str(exc), log_min)
                 break
+        read_only = [f.name for f in self.files if f.read_only]
+        if read_only:
+            self._said_once(("read-only",), "index: %d index file(s) (%s .. %s) can be opened read-only only "
+                            "(Permission denied at read-write): searched, never written, new entries go to a new "
+                            "file; chown them to the broker's user (was a broker run as root?)", len(read_only),
+                            read_only[0], read_only[-1])
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
         start = log_min
         # Entries at or past the log's end name records recovery cut off: the records written there from now
@@ -711,7 +718,8 @@ class IndexService:
             last.release_slots()
             last.sync()
             last.park()
-            log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
+            log.info("index file %s %s; new file %s", last.name, "is read-only" if last.read_only else
+                     "is full" if last.full else "ends its period", name)
         self.files.append(f)
         return f
 
@@ -963,6 +971,9 @@ class QueryResult(NamedTuple):
 
 class IndexUnreadable(OSError):
     """An index file that could not be read (an I/O error, a permission): not damage, nothing removed."""
+
+    def __str__(self) -> str:       # (OSError's "[Errno 5] <message>: '<path>'" broke the ERROR's sentence in two)
+        return self.strerror
 
 
 def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> None:
