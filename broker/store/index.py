@@ -23,7 +23,9 @@ nothing can be skipped. At start-up ``covered`` is the larger of ``index/progres
 every 10 s after an fsync of the files) and the newest entry's record, neither past the end
 recovery left the log at (records written over a cut range are new), and the thread catches
 up from there to the end of the log: a broker killed with -9 loses no entry of an acknowledged
-message. A damaged index file is removed with the files after it, logged at ERROR, and rebuilt
+message. A damaged index file (IndexCorrupt; one that cannot be read is kept, indexing stopped until it
+can be: IndexUnreadable; one that can be read but not written is opened read-only, searched and never
+written) is removed with the files after it, logged at ERROR, and rebuilt
 from the commit log. A write error stops indexing (``failed``); an OSError (a full disk's, ENOSPC or
 EDQUOT, or any other: out of descriptors, a mapping refused, an I/O error that passed) is
 tried again every ``resume_every_s``: the files are read back as a start-up reads them (a batch the
@@ -203,12 +205,29 @@ class IndexService:
         from its index while the reput service catches up."""
         self._loop = asyncio.get_running_loop()
         self._log_min, self._seen_end = log_min, log_end
-        await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        try:
+            await self._loop.run_in_executor(None, self._load, log_min, log_end)
+        except IndexUnreadable as exc:
+            self._stopped_at_start(exc, log_min, log_end)
         self._catch_up_from = (self.covered, time.monotonic())     # (said once the start's catch-up is through)
         self._thread = threading.Thread(target=self._main, name="txmq-index", daemon=True)
         self._catching_up = True
         self._thread.start()
         self._q.put(lambda: self._catch_up(log_end))
+
+    def _stopped_at_start(self, exc: "IndexUnreadable", log_min: int, log_end: int) -> None:
+        """An index file the start could not read (EIO, EACCES): answered from the files before it, indexing stopped
+        as by a write error (txmq_index_failed) and the files read again every resume_every_s (_resume), as a start
+        reads them. The progress is not taken: it covers the files not read."""
+        newest = next((f for f in reversed(self.files) if f.count > 1), None)
+        self.covered = max(log_min, min(newest.end_phy, log_end)) if newest is not None else log_min
+        self.failed = str(exc)
+        self._failing = self._resumable = True
+        self._failed_at = time.monotonic()
+        self._said_kinds = {exc.errno}      # (said here; a resume that fails again the same way is quiet)
+        log.error("index: %s; queries by key are answered from the %d index files before it (messages from "
+                  "commit-log offset %d on are not searched) and it is read again every %.0f s", exc, len(self.files),
+                  self.covered, self.resume_every_s)
 
     async def close(self) -> None:
         if self._thread is None:
@@ -249,8 +268,9 @@ class IndexService:
 
     @property
     def stopped(self) -> bool:
-        """Indexing stopped by a write error and not caught up since (txmq_index_failed). Not ``failed`` alone:
-        a resume clears that while it tries, and the gauge read 0 for that moment every interval of a full disk."""
+        """Indexing stopped by a write error (or an index file a start could not read) and not caught up since
+        (txmq_index_failed). Not ``failed`` alone: a resume clears that while it tries, and the gauge read 0 for that
+        moment every interval of a full disk."""
         return self.failed is not None or self._failing
 
     @property
@@ -312,15 +332,39 @@ class IndexService:
         for i, name in enumerate(names):
             path = os.path.join(self.directory, name)
             try:
-                self.files.append(IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size))
-            except (IndexCorrupt, OSError) as exc:
-                if isinstance(exc, OSError) and exc.errno in _NOT_THE_FILE:
-                    # The process's or the file system's, not the file's: removed and rebuilt for it, the index
-                    # lost for nothing (the index thread's ERROR, once; at start-up the broker's). A resume keeps
-                    # the files it had open, searched as far as before (_resume).
+                f = IndexFile.open(path, self.slots, self.entries, self.refuse_ratio, self.seg_size)
+                # The one before closed now, not once all are read: every file open at once (~2,600 over 30 days),
+                # past the open-files limit a start failed EMFILE. Not before this one opened: a damaged one after
+                # it leaves it the file written (its descriptor read-write).
+                if self.files:
+                    self.files[-1].park()
+                self.files.append(f)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:       # removed since listed: the newer ones start past a gap
+                    self._drop_damaged(names[i:], str(exc), log_min)
+                    break
+                # Only IndexCorrupt is the file's damage. An error reading it -- the process's or the file system's
+                # (EROFS, EMFILE, ENOMEM), the disk's (EIO: a flaky disk's passes) or a permission (EACCES: a broker
+                # once run as root) -- was taken for it: the file and every newer one unlinked and rebuilt from the
+                # log for nothing (a full rebuild for an error that passes; a resume's queries answered nothing
+                # meanwhile). Raised: a resume keeps the files it had open, searched as far as before, and is tried
+                # again (the index thread's ERROR, once); a start answers from the files before it (open).
+                if exc.errno in _NOT_THE_FILE:
                     raise
-                self._drop_damaged(names[i:], str(exc))
+                # (The progress too: left, it says their records indexed, and the start caught up past them.)
+                raise IndexUnreadable(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing "
+                                      "was removed; if the error stays, remove that file, the "
+                                      f"{len(names) - i - 1} newer ones and {PROGRESS_FILE} from {self.directory} "
+                                      "and the broker rebuilds their entries from the commit log", path) from exc
+            except IndexCorrupt as exc:
+                self._drop_damaged(names[i:], str(exc), log_min)
                 break
+        read_only = [f.name for f in self.files if f.read_only]
+        if read_only:
+            self._said_once(("read-only",), "index: %d index file(s) (%s .. %s) can be opened read-only only "
+                            "(Permission denied at read-write): searched, never written, new entries go to a new "
+                            "file; chown them to the broker's user (was a broker run as root?)", len(read_only),
+                            read_only[0], read_only[-1])
         newest = next((f for f in reversed(self.files) if f.count > 1), None)
         start = log_min
         # Entries at or past the log's end name records recovery cut off: the records written there from now
@@ -330,51 +374,76 @@ class IndexService:
         if newest is not None and newest.end_phy < log_end:
             self._skip = newest.end_phy
             self._skip_hashes = newest.tail_hashes(newest.end_phy)
-        for f in self.files[:-1]:       # (a query opens one again: OPEN_INDEX_FILES)
-            f.park()
+            if newest is not self.files[-1]:
+                newest.park()       # (read again for that: closed as the other older files are)
         # (No index file at all: they were removed, ``rm index/*``, the progress left or saved again; a progress
         # with no entries behind it would skip the whole log before it -- unless it was saved with no file: then
         # no record before it needed an entry, and a file made after it holds entries of records past it only.)
-        progress, without_files = self._read_progress()
+        progress, without_files, damage = self._read_progress()
         if not self.rebuilt and (names or without_files):
             start = max(start, min(progress, log_end))
+        if damage is not None:
+            # Not taken, unsaid: the start re-read the log from the newest entry's record -- with no index file (a
+            # log of records without keys), all of it, a slow start nobody could explain.
+            self._said_once(("progress", damage), "index: %s is %s: not taken; catching up %d bytes of the commit log "
+                            "from offset %d (%s); it is written again once caught up", self._progress_path(), damage,
+                            max(log_end - start, 0), start, "the newest index entry's record" if newest is not None
+                            else "the log's first: no index file to go by")
         self.covered = start
         behind = log_end - start
         (log.debug if quiet else log.info)("index: %d files, catching up %d bytes of the commit log from offset %d",
                                            len(self.files), max(behind, 0), start)
 
-    def _drop_damaged(self, names: list[str], why: str) -> None:
+    def _drop_damaged(self, names: list[str], why: str, log_min: int) -> None:
         prev = self.files[-1].end_phy if self.files else 0
+        # From the log's first offset when retention removed the records before it: said "from offset <prev>", the
+        # entries of those records seemed rebuilt. (They are lost, and could not be answered anyway: a query reads
+        # each match's record back.)
+        lost = (f" (not those of records below the commit log's first offset {log_min}: retention removed them, "
+                "no query could be answered from them)") if log_min > prev else ""
         # Once a failure run, as its write errors: a file a resume could not remove (a file system turned read-only)
         # was found again at every attempt, two ERRORs each 10 s for as long as the disk stayed so.
         kind = ("damaged", names[0])
-        say = log.error if not (self._failing and kind in self._said_kinds) else log.debug
-        self._said_kinds.add(kind)
-        say("index file %s is damaged (%s): removing it%s and rebuilding their entries from the commit log from "
-            "offset %d", names[0], why, f" and the {len(names) - 1} newer files" if len(names) > 1 else "", prev)
+        self._said_once(kind, "index file %s is damaged (%s): removing it%s and rebuilding their entries from the "
+                        "commit log from offset %d%s", names[0], why,
+                        f" and the {len(names) - 1} newer files" if len(names) > 1 else "", max(prev, log_min), lost,
+                        level=logging.ERROR)
         for name in names:
             try:
                 os.unlink(os.path.join(self.directory, name))
             except OSError as exc:
-                say("could not remove index file %s: %s", name, exc)
+                self._said_once(kind + (name,), "could not remove index file %s: %s", name, exc, level=logging.ERROR)
         self.rebuilt = list(names)
 
-    def _read_progress(self) -> tuple[int, bool]:
-        """(covered as saved, whether it was saved with no index file); (0, False) if none or damaged."""
+    def _said_once(self, kind, msg: str, *args, level: int = logging.WARNING) -> None:
+        """Once a failure run, as its write errors: what a resume found again (a file a file system turned read-only
+        would not let it remove) was said at every attempt, each 10 s for as long as the disk stayed so."""
+        seen = self._failing and kind in self._said_kinds
+        self._said_kinds.add(kind)
+        log.log(logging.DEBUG if seen else level, msg, *args)
+
+    def _progress_path(self) -> str:
+        return os.path.join(self.directory, PROGRESS_FILE)
+
+    def _read_progress(self) -> tuple[int, bool, str | None]:
+        """(covered as saved, whether it was saved with no index file, None); (0, False, why) if damaged or not
+        readable, (0, False, None) if there is none."""
         try:
-            with open(os.path.join(self.directory, PROGRESS_FILE), "rb") as fh:
+            with open(self._progress_path(), "rb") as fh:
                 raw = fh.read(_PROGRESS_FLAGGED.size + 1)
-        except OSError:
-            return 0, False
+        except FileNotFoundError:
+            return 0, False, None
+        except OSError as exc:
+            return 0, False, f"not readable ({exc.strerror})"
         if len(raw) == _PROGRESS.size:
             (value, crc), without_files = _PROGRESS.unpack(raw), 0
         elif len(raw) == _PROGRESS_FLAGGED.size:
             value, without_files, crc = _PROGRESS_FLAGGED.unpack(raw)
         else:
-            return 0, False
+            return 0, False, f"damaged ({len(raw)} bytes, not {_PROGRESS_FLAGGED.size})"
         if crc != zlib.crc32(raw[:-4]) or value < 0:
-            return 0, False
-        return value, without_files == 1
+            return 0, False, "damaged (its checksum does not match)"
+        return value, without_files == 1, None
 
     # ------------------------------------------------------------ the index thread
     def _main(self) -> None:
@@ -518,7 +587,7 @@ class IndexService:
             self.files[-1].sync()       # entries before the progress that says they exist
         raw = struct.pack(">qB", value, not self.files)
         raw += struct.pack(">I", zlib.crc32(raw))
-        path = os.path.join(self.directory, PROGRESS_FILE)
+        path = self._progress_path()
         tmp = path + ".tmp"
         with open(tmp, "wb") as fh:
             fh.write(raw)
@@ -649,7 +718,8 @@ class IndexService:
             last.release_slots()
             last.sync()
             last.park()
-            log.info("index file %s %s; new file %s", last.name, "is full" if last.full else "ends its period", name)
+            log.info("index file %s %s; new file %s", last.name, "is read-only" if last.read_only else
+                     "is full" if last.full else "ends its period", name)
         self.files.append(f)
         return f
 
@@ -686,7 +756,7 @@ class IndexService:
                 # an ERROR and this WARNING every interval while the disk stayed full. Failing, it stays quiet.
                 self._save_progress()
                 self._failing = False
-                log.warning("index: caught up with the commit log again after a write error stopped it (to offset %d)",
+                log.warning("index: caught up with the commit log again after an error stopped it (to offset %d)",
                             self.covered)
             elif done and self._catch_up_from is not None and not self._closed and self.failed is None:
                 start, began = self._catch_up_from
@@ -897,6 +967,13 @@ class QueryResult(NamedTuple):
     # The commit-log offset from which records were not searched, taken on the index thread with the answer: the
     # index catching up (a start, a resume after a full disk, a backlog) or stopped; None when it searched them all.
     behind: int | None = None
+
+
+class IndexUnreadable(OSError):
+    """An index file that could not be read (an I/O error, a permission): not damage, nothing removed."""
+
+    def __str__(self) -> str:       # (OSError's "[Errno 5] <message>: '<path>'" broke the ERROR's sentence in two)
+        return self.strerror
 
 
 def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> None:

@@ -194,6 +194,7 @@ class IndexFile:
         self.name = os.path.basename(path)
         self.fd = fd
         self._parked = False                # fd closed by park(): reopened (read-only) by the next read
+        self.read_only = False              # could be opened read-only only (EACCES: root's): searched, never written
         self.slots = slots
         self.entries = entries
         self.begin_ts = self.end_ts = self.begin_phy = self.end_phy = 0
@@ -224,9 +225,17 @@ class IndexFile:
     @classmethod
     def open(cls, path: str, slots: int, entries: int, room_ratio: float = 1.0, headroom: int = 0) -> "IndexFile":
         """Load and check a file; undo a batch a crash cut short. IndexCorrupt when it cannot be right."""
-        fd = os.open(path, os.O_RDWR)
+        read_only = False
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except PermissionError:
+            # Readable, not writable (a broker once run as root left it root's, mode 0644): taken for unreadable,
+            # indexing stopped for good. Read-only it is searched as before and never written (``full``: the next
+            # entry goes to a new file). Raised if it cannot be read either.
+            fd, read_only = os.open(path, os.O_RDONLY | os.O_CLOEXEC), True
         try:
             f = cls(path, fd, slots, entries, room_ratio, headroom)
+            f.read_only = read_only
             f._load()
             f.undo_unfinished()
         except BaseException:
@@ -309,6 +318,9 @@ class IndexFile:
         written = [i for i in range(len(raw) // ENTRY_SIZE) if any(raw[i * ENTRY_SIZE:(i + 1) * ENTRY_SIZE])]
         if not written:
             return 0
+        if self.read_only:      # (its descriptor would refuse the writes: EBADF, said as nothing of the kind)
+            raise PermissionError(errno.EACCES, "opened read-only, it holds entries a crash left unfinished to undo",
+                                  self.path)
         for i in reversed(range(written[-1] + 1)):
             h, _phy, _td, prev = ENTRY.unpack_from(raw, i * ENTRY_SIZE)
             slot = h % self.slots
@@ -320,11 +332,11 @@ class IndexFile:
     # ------------------------------------------------------------ writes
     @property
     def full(self) -> bool:
-        return self.count >= self.entries
+        return self.count >= self.entries or self.read_only
 
     @property
     def room(self) -> int:
-        return max(0, self.entries - self.count)
+        return 0 if self.read_only else max(0, self.entries - self.count)
 
     def put_many(self, items: list[tuple[int, int, int]]) -> int:
         """Add (key hash, commit-log offset, store time) entries, in order, as far as the file has room

@@ -1384,7 +1384,7 @@ class TransactionService:
             # answer's own offset, taken with it on the index thread: ``index.partial`` read once it came back
             # missed a catch-up that ended meanwhile.
             warn("%s: its dead letter not looked up in the whole log (the message index %s, to offset %d): %s",
-                 what, "stopped by a write error" if index.stopped else "is catching up", looked.behind, lost)
+                 what, "stopped by an error" if index.stopped else "is catching up", looked.behind, lost)
         elif looked.cut:
             # The lookup read max_checks records of the key's hash and stopped (other keys with the same
             # String.hashCode, which any client can send in any topic): unsaid, the checks went to the group in turn.

@@ -420,6 +420,40 @@ async def test_an_index_directory_removed_under_a_running_broker_is_rebuilt_with
     assert [m.msg_id for m in await _query_key(b, "RmIndex", "after")] == [after.msg_id]
 
 
+@bounded(90)
+async def test_an_index_file_a_start_cannot_open_is_kept_and_read_once_it_can_be(broker_factory):
+    """An index file a start could not open (an I/O error, a file a broker once run as root left root's: here a
+    directory in its place, EISDIR) was taken for damaged: it and every newer file unlinked and rebuilt from the
+    commit log. It is kept: the start answers from the files before it, its remark saying indexing is stopped, and
+    reads them all once the file can be opened again -- nothing removed, nothing rebuilt."""
+    flags = ("--index-hash-slots", "1000", "--index-max-entries", "4")     # (a new index file every 3 entries)
+    b = broker_factory(*flags)
+    async with Producer(b.namesrv, "PG_unread") as producer:
+        sent = [await producer.send("Unread", b"u%d" % i, keys=f"k{i} shop") for i in range(5)]
+    assert len(await _query_key(b, "Unread", "shop")) == 5
+    b.stop()
+    index = b.store_dir / "index"
+    names = sorted(p.name for p in index.iterdir() if p.name.isdigit())
+    assert len(names) >= 4
+    victim = index / names[2]
+    victim.rename(index / "kept-aside")
+    victim.mkdir()
+    b = broker_factory(*flags)
+    resp = await _request(b, R.QUERY_MESSAGE, {"topic": "Unread", "key": "shop", "maxNum": 32, "beginTimestamp": 0,
+                                               "endTimestamp": 2**63 - 1})
+    assert "indexing is stopped" in (resp.remark or ""), (resp.code, resp.remark, b.log())
+    assert resp.code == ResponseCode.QUERY_NOT_FOUND or len(decode_records(resp.body_bytes())) < 5
+    assert f"index file {names[2]} could not be read" in b.log() and "is damaged" not in b.log()
+    assert sorted(p.name for p in index.iterdir() if p.name.isdigit()) == names
+    victim.rmdir()
+    (index / "kept-aside").rename(victim)
+    async with asyncio.timeout(60):     # read again within 10 s
+        while "caught up with the commit log again" not in b.log():
+            await asyncio.sleep(0.2)
+    assert sorted(m.msg_id for m in await _query_key(b, "Unread", "shop")) == sorted(s.msg_id for s in sent)
+    assert sorted(p.name for p in index.iterdir() if p.name.isdigit()) == names and "is damaged" not in b.log()
+
+
 async def _query_key(b, topic, key, begin=0, end=2**63 - 1):
     resp = await _request(b, R.QUERY_MESSAGE, {"topic": topic, "key": key, "maxNum": 32, "beginTimestamp": begin,
                                                "endTimestamp": end})

@@ -190,6 +190,31 @@ async def _restarted_with_older_files_parked(tmp_path, monkeypatch, kept=2):
     return store, svc, kept + 2     # the file being written and its slot table's mapping (mmap dups it)
 
 
+
+@bounded(20)
+async def test_a_start_over_many_index_files_holds_few_of_them_open_at_once(tmp_path, monkeypatch):
+    """The start read every index file back with its descriptor open and closed the older ones only once all were
+    read: ~2,600 open at once over 30 days of retention (one a day at 10k sends/s is ~86 files), and a store of 600
+    under a 256 open-files limit failed to start ("[Errno 24] Too many open files" on an index file); a resume reads
+    them back the same way beside the files it keeps. Each older file is closed as the next is read."""
+    store, svc, held = await _restarted_with_older_files_parked(tmp_path, monkeypatch)
+    files = len(svc.files)
+    await svc.close()
+    seen = []
+    real = IndexFile.open
+
+    def counted(*args, **kw):
+        seen.append(_open_index_files(tmp_path))
+        return real(*args, **kw)
+    monkeypatch.setattr(IndexFile, "open", counted)
+    svc = await _service(tmp_path, store)
+    assert len(seen) == files >= 10
+    assert max(seen) <= 1, f"{max(seen)} index descriptors open while reading {files} files back"
+    assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 40
+    assert _open_index_files(tmp_path) <= held
+    await svc.close()
+    await store.close()
+
 @bounded(20)
 async def test_older_index_files_hold_no_descriptor_beyond_the_ones_last_queried(tmp_path, monkeypatch):
     """Every index file kept its descriptor open for as long as it existed: ~86 files a day at 10k sends/s of two
@@ -609,6 +634,117 @@ async def test_an_index_file_not_opened_for_lack_of_descriptors_is_not_taken_for
     await store.close()
 
 
+
+
+@bounded(20)
+@pytest.mark.parametrize("error, then", [(errno.EIO, "passes"), (errno.EACCES, "passes"), (errno.EIO, "removed")])
+async def test_an_index_file_a_start_cannot_read_is_kept_not_taken_for_damaged(tmp_path, monkeypatch, caplog, error,
+                                                                               then):
+    """An I/O error reading an index file's header at start-up (a flaky disk's transient EIO), or a file the broker
+    may not open (EACCES: a broker run once as root left it root's), was taken for damage: that file and every newer
+    one unlinked ("is damaged ... removing it and the N newer files") and all their entries re-read from the commit
+    log, a full rebuild for an error that passes. Only a file that cannot be the index (IndexCorrupt) is damage now:
+    the start answers from the files before it, indexing stopped (said once, naming the file and what to do if the
+    error stays), removes nothing, and reads them all once the error passes -- nothing rebuilt."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=3)        # (a new file every 2 entries)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    names = sorted(os.listdir(tmp_path / "index"))
+    files = [n for n in names if n != "progress"]
+    assert len(files) >= 3
+    unreadable = str(tmp_path / "index" / files[1])
+    real = IndexFile._load
+
+    def failing(self):
+        if self.path == unreadable:
+            raise OSError(error, os.strerror(error), self.path)
+        return real(self)
+    monkeypatch.setattr(IndexFile, "_load", failing)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        svc = await _service(tmp_path, store, entries=3)
+        svc.resume_every_s = 0
+        for _ in range(3):          # each query a turn of the index thread: a resume tried, and failing
+            answer = await svc.query("T", "shared", 64, 0, 2**62)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("damaged" in m for m in said), said
+    advice = f"remove that file, the {len(files) - 2} newer ones and progress from {tmp_path / 'index'}"
+    assert len(said) == 1 and said[0].startswith(f"index: index file {files[1]} could not be read (") and \
+        advice in said[0] and "[Errno" not in said[0], said
+    assert svc.stopped and [f.name for f in svc.files] == files[:1]
+    assert answer.behind == svc.files[0].end_phy and len(answer.found) < 3, answer
+    assert sorted(os.listdir(tmp_path / "index")) == names
+    monkeypatch.setattr(IndexFile, "_load", real)
+    if then == "removed":           # the error stays: the operator does what the ERROR says, the broker running
+        for name in files[1:] + ["progress"]:
+            os.unlink(tmp_path / "index" / name)
+        names = files[:1]
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "shared"}))
+    for _ in range(10):             # the resume's catch-up is queued behind a query already waiting
+        answer = await svc.query("T", "shared", 64, 0, 2**62)
+        if answer.behind is None:
+            break
+    assert not svc.stopped and svc.rebuilt == [] and len(answer.found) == 4 and keyed.physical_offset in answer.found
+    assert set(names) <= set(os.listdir(tmp_path / "index"))
+    assert len({phy for i in range(3) for phy in (await svc.query("T", f"k{i}", 64, 0, 2**62)).found}) == 3
+    await svc.close()
+    await store.close()
+
+
+
+@bounded(20)
+async def test_a_damaged_index_file_below_the_logs_first_offset_says_what_is_not_rebuilt(tmp_path, caplog):
+    """A damaged index file whose records retention had partly removed: its entries were said rebuilt "from the
+    commit log from offset 0", while the catch-up began at the log's first offset and the entries of the records
+    below it were gone for good (no query could find them: each match's record is read back). Said as it is."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store)
+    first = (await svc.query("T", "k1", 64, 0, 2**62)).found
+    await svc.close()
+    path = svc.files[0].path
+    with open(path, "r+b") as fh:                   # an index count past the file's entries
+        fh.seek(36)
+        fh.write(struct.pack(">i", ENTRIES + 5))
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=ENTRIES)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        await svc.open(first[0], store.max_physical_offset)     # (as if retention removed the first record)
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and f"from offset {first[0]} (not those of records below" in said[0], said
+    assert (await svc.query("T", "k1", 64, 0, 2**62)).found == first
+    await svc.close()
+    await store.close()
+
+@bounded(20)
+async def test_an_index_file_a_resume_cannot_read_is_kept_and_read_once_the_error_passes(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """A write error stopped indexing, and the resume met an EIO reading an index file back: the file and every
+    newer one were unlinked as damaged and rebuilt. The files are kept now, answering as before; the resume is tried
+    again (said once) and reads them once the error passes."""
+    store = await _store_with(tmp_path, 3)
+    svc = await _service(tmp_path, store, entries=3)
+    svc.resume_every_s = 0
+    await svc.query("T", "x", 1, 0, 1)
+    names = sorted(os.listdir(tmp_path / "index"))
+    real_put, real_load = IndexFile.put_many, IndexFile._load
+
+    def no_space(self, items):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def failing(self):
+        raise OSError(errno.EIO, "Input/output error", self.path)
+    monkeypatch.setattr(IndexFile, "put_many", no_space)
+    monkeypatch.setattr(IndexFile, "_load", failing)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        lost = [await store.put(PutRequest.build("T", b"z", properties={"KEYS": f"lost{i}"})) for i in range(2)]
+        for _ in range(4):          # each query a turn of the index thread: the resume tried, and failing
+            assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 3
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("damaged" in m for m in said), said
+    assert set(names) <= set(os.listdir(tmp_path / "index"))
+    assert sum("Input/output error" in m for m in said) == 1, said
+    monkeypatch.setattr(IndexFile, "put_many", real_put)
+    monkeypatch.setattr(IndexFile, "_load", real_load)
+    await _found_after_the_resume(svc, store, lost)
 @bounded(20)
 async def test_an_index_directory_removed_while_the_broker_runs_is_rebuilt(tmp_path, monkeypatch):
     """index/ removed under a running broker (an operator's cleanup): the entries went on into the unlinked file
@@ -741,7 +877,7 @@ async def test_a_progress_file_of_the_earlier_format_is_still_read(tmp_path):
     await svc.close()
     raw = struct.pack(">q", store.max_physical_offset)
     (tmp_path / "index" / index_mod.PROGRESS_FILE).write_bytes(raw + struct.pack(">I", zlib.crc32(raw)))
-    assert svc._read_progress() == (store.max_physical_offset, False)
+    assert svc._read_progress() == (store.max_physical_offset, False, None)
     await store.close()
 
 
@@ -1454,7 +1590,7 @@ async def test_index_files_made_after_a_progress_saved_with_none_and_then_remove
         assert (await store.put(PutRequest.build("T", b"y" * 100))).ok
     assert (await svc.query("T", "kept", 64, 0, 2**62)).found == [keyed.physical_offset]
     await svc.close()                   # saved past the keyed record, a file held
-    assert svc._read_progress() == (store.max_physical_offset, False)
+    assert svc._read_progress() == (store.max_physical_offset, False, None)
     for name in os.listdir(tmp_path / "index"):
         if name.isdigit():
             os.unlink(tmp_path / "index" / name)
@@ -1475,12 +1611,53 @@ async def test_a_damaged_progress_with_no_index_file_is_caught_up_from_the_start
     await svc.close()
     path = tmp_path / "index" / index_mod.PROGRESS_FILE
     raw = path.read_bytes()
-    assert len(raw) == 13 and svc._read_progress() == (store.max_physical_offset, True)
+    assert len(raw) == 13 and svc._read_progress() == (store.max_physical_offset, True, None)
     for bad in (raw[:12], raw[:8] + b"\x02" + raw[9:], raw[:-1] + bytes([raw[-1] ^ 1])):
         path.write_bytes(bad)
-        assert svc._read_progress() == (0, False)
+        assert svc._read_progress() [:2] == (0, False)
     await store.close()
 
+
+
+@bounded(20)
+@pytest.mark.parametrize("fault", ["torn", "checksum", "EIO"])
+async def test_a_progress_not_taken_is_said_with_where_the_catch_up_starts(tmp_path, monkeypatch, caplog, fault):
+    """A damaged ``index/progress`` (torn, a wrong checksum) or one that could not be read (EIO) was ignored without a
+    word: a log of records without keys (no index file to go by) was re-read from its start, 3 records' bytes here
+    and the whole log on a real one, before a save wrote the progress again -- a slow start nobody
+    could explain. It is said at WARNING, once, with the offset the catch-up starts from."""
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=4096 * 4, max_message_size=2048))
+    await store.open()
+    for _ in range(3):
+        assert (await store.put(PutRequest.build("T", b"x" * 100))).ok
+    svc = await _service(tmp_path, store)
+    await svc.close()
+    path = tmp_path / "index" / index_mod.PROGRESS_FILE
+    raw = path.read_bytes()
+    if fault == "torn":
+        path.write_bytes(raw[:7])
+    elif fault == "checksum":
+        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    else:
+        real_open = open
+
+        def failing(file, *args, **kw):
+            if str(file) == str(path):
+                raise OSError(errno.EIO, "Input/output error", str(file))
+            return real_open(file, *args, **kw)
+        monkeypatch.setattr("builtins.open", failing)
+    with caplog.at_level(logging.WARNING, logger="txmq.index"):
+        svc = await _service(tmp_path, store)
+    monkeypatch.undo()
+    said = [r.getMessage() for r in caplog.records if "progress" in r.getMessage()]
+    assert svc.covered == 0 and len(said) == 1, said
+    assert str(path) in said[0] and "from offset 0" in said[0] and \
+        f"catching up {store.max_physical_offset} bytes" in said[0], said
+    assert ("Input/output error" if fault == "EIO" else "damaged") in said[0], said
+    keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "later"}))
+    assert (await svc.query("T", "later", 64, 0, 2**62)).found == [keyed.physical_offset]
+    await svc.close()
+    await store.close()
 
 @bounded(20)
 async def test_a_query_across_more_older_files_than_are_kept_holds_no_more_of_them_open(tmp_path, monkeypatch):
@@ -1519,5 +1696,48 @@ async def test_a_query_out_of_descriptors_for_an_older_index_file_says_to_raise_
         await svc.query("T", "k0", 64, 0, 2**62)
     monkeypatch.setattr(os, "open", real)
     assert len((await svc.query("T", "k0", 64, 0, 2**62)).found) == 1      # the limit passed: answered again
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+@pytest.mark.parametrize("refused", ["all", "newest"])
+async def test_an_index_file_that_can_be_read_but_not_written_is_searched_and_not_written(tmp_path, monkeypatch,
+                                                                                           caplog, refused):
+    """A broker once run as root left its index files root's, mode 0644: readable, but not openable read-write
+    (EACCES at O_RDWR). Taken for unreadable, the start stopped indexing for good -- queries by key answered from
+    the files before the first such file (none of them here), every send after missing, until an operator removed
+    the files and the index was rebuilt. Such a file is read (O_RDONLY): searched as before, never written; new
+    entries go to a new file after it; said once at WARNING with what to do."""
+    store = await _store_with(tmp_path, 5)
+    svc = await _service(tmp_path, store, entries=3)
+    await svc.query("T", "x", 1, 0, 1)
+    await svc.close()
+    files = sorted(n for n in os.listdir(tmp_path / "index") if n.isdigit())
+    denied = {str(tmp_path / "index" / n) for n in (files if refused == "all" else files[-1:])}
+    real_open = os.open
+
+    def root_owned(path, flags, *args, **kw):
+        if str(path) in denied and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kw)
+    monkeypatch.setattr(os, "open", root_owned)
+    with caplog.at_level(logging.WARNING, logger="txmq.index"):
+        svc = await _service(tmp_path, store, entries=3)
+        assert not svc.stopped and [f.name for f in svc.files] == files
+        assert len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 5
+        later = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "later"}))
+        for _ in range(10):
+            answer = await svc.query("T", "later", 64, 0, 2**62)
+            if answer.found:
+                break
+        assert answer.found == [later.physical_offset] and not svc.stopped
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "read-only" in said[0] and files[-1] in said[0] and "chown" in said[0], said
+    assert set(files) < set(os.listdir(tmp_path / "index"))     # nothing removed, a new file written
+    await svc.close()
+    svc = await _service(tmp_path, store, entries=3)
+    assert not svc.stopped and len((await svc.query("T", "shared", 64, 0, 2**62)).found) == 5
+    assert (await svc.query("T", "later", 64, 0, 2**62)).found == [later.physical_offset]
     await svc.close()
     await store.close()
