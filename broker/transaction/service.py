@@ -1049,9 +1049,12 @@ class TransactionService:
     async def run_due(self, now: int) -> None:
         room_for, started = self._room_for, now
         self._refused = [0, ""]             # check records the store refused this pass: said once, at its end
+        # The pass's max-check dead letters, said in one WARNING at its end (as retention's): a line each, a burst
+        # of 100,000 halves whose producers all crashed reaching the limit together was 100,000 lines.
+        said = _SaidTogether(Origin.MAX_CHECKS.value)
         try:
             while True:
-                await self._run_slice(now, room_for)
+                await self._run_slice(now, room_for, said)
                 # Parked ones come back once a pass, with the room there is then, and in a long pass at each offer to
                 # every group (once a second): offered room in a pass's first slice alone, they waited for the whole
                 # of a pass over another group's backlog (up to a check interval), not the second said. Not at every
@@ -1072,9 +1075,10 @@ class TransactionService:
             if refused:     # a full disk: no check goes out unrecorded, and the transactions wait (said, per pass)
                 log.warning("%d transaction checks not sent: their check records were refused (%s); checked again "
                             "an interval on", refused, why)
+            said.say()
         self._save_progress()
 
-    async def _run_slice(self, now: int, room_for) -> None:
+    async def _run_slice(self, now: int, room_for, said: _SaidTogether) -> None:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
         self._slice_full = {}       # answers may have come back by then too, and producers joined
         self._slice_gone = set()
@@ -1095,6 +1099,8 @@ class TransactionService:
         # decision on it waits forever (the timer logs and counts a raising pass and goes on).
         checks = [a for a in actions if isinstance(a, SendCheck)]
         deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
+        together = self._said_together
+        together.update((a.tx.half_offset, said) for a, _ in deaths if a.reason == said.reason)
         try:
             if checks:
                 await self._send_checks(checks, now)       # a failed write reschedules them (below)
@@ -1117,6 +1123,9 @@ class TransactionService:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
+            for action in actions:
+                if isinstance(action, Write) and together.get(action.tx.half_offset) is said:
+                    del together[action.tx.half_offset]
 
     def _half_size(self, half_offset: int) -> int:
         """The bytes of the half at ``half_offset`` (its dead letter's, near enough); 0 if none is there."""

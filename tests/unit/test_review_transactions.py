@@ -1128,6 +1128,40 @@ async def test_many_transactions_reaching_the_check_limit_together_are_dead_lett
 
 
 @bounded(60)
+async def test_transactions_reaching_the_check_limit_in_one_pass_are_said_in_one_warning(tmp_path, caplog):
+    """A burst of halves whose producers all crashed reaches transaction_check_max in one pass: each dead letter was
+    said in a WARNING of its own (300 here; 100,000 halves, 100,000 lines, written on the event loop as the pass
+    ran), where retention's and an expiry plan's are said together. A pass's max-check dead letters are one
+    WARNING now, the first few named and the rest counted; one alone is said as before."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(300)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert all(tx.decision_of(p.half_offset) == DEAD for p in dying)
+        said = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(said) == 1, len(said)
+        assert said[0].startswith("300 transactions dead-lettered: max-checks"), said[0]
+        assert "and 295 more" in said[0] and dying[0].uniq_key in said[0], said[0]
+        assert not tx._said_together
+        caplog.clear()
+        alone = await add_half(ctx, b"abandoned-alone")
+        alone.checks = tx.policy.check_max
+        clock.now = alone.next_check + 1
+        await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(said) == 1 and alone.uniq_key in said[0] and f"after {tx.policy.check_max} checks" in said[0], said
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
 async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_others_written(tmp_path, caplog):
     """Of 40 transactions reaching transaction_check_max in one pass (two batches of dead letters queued together),
     the store refuses 5, in both batches and at their edges: each refused one is said, stays undecided and is
