@@ -101,6 +101,7 @@ class TransactionService:
         self.pending = self.core.pending
         self.table: DecisionTable | None = None
         self._refused = [0, ""]     # (run_due) check records refused this pass, and why
+        self._dead_refused: list[tuple[Tx, str]] = []   # (run_due) max-check dead letters refused this pass, and why
         self.dead_count = 0
         # (a slave) undecided halves its cleaner removed, its master's to dead-letter: kept in its snapshot until an
         # op decides them, so the start that promotes it can say the ones it lost (recovery._removed_undecided)
@@ -1052,6 +1053,7 @@ class TransactionService:
         # The pass's max-check dead letters, said in one WARNING at its end (as retention's): a line each, a burst
         # of 100,000 halves whose producers all crashed reaching the limit together was 100,000 lines.
         said = _SaidTogether(Origin.MAX_CHECKS.value)
+        self._dead_refused = []     # said once, at its end, as the check records: a line each was a burst's every one
         try:
             while True:
                 await self._run_slice(now, room_for, said)
@@ -1076,6 +1078,7 @@ class TransactionService:
                 log.warning("%d transaction checks not sent: their check records were refused (%s); checked again "
                             "an interval on", refused, why)
             said.say()
+            self._say_dead_refused()
         self._save_progress()
 
     async def _run_slice(self, now: int, room_for, said: _SaidTogether) -> None:
@@ -1133,12 +1136,26 @@ class TransactionService:
         return len(record) if record is not None else 0
 
     def _dead_letter_failed(self, tx: Tx, now: int, exc: Exception) -> None:
-        """A max-checks dead letter not written: said, and the transaction retried (DecisionError: refused)."""
+        """A max-checks dead letter not written: said, and the transaction retried an interval on (DecisionError:
+        refused, said with the pass's others at its end: a line each, a full disk refusing a burst's 100,000 was
+        100,000 ERROR lines at every interval)."""
         if isinstance(exc, DecisionError):
-            log.error("could not dead-letter %d: %s", tx.half_offset, exc.remark)
+            self._dead_refused.append((tx, exc.remark))
         else:
             log.error("could not dead-letter %d", tx.half_offset, exc_info=exc)
         self.core.dead_letter_failed(tx, now)
+
+    def _say_dead_refused(self) -> None:
+        refused, self._dead_refused = self._dead_refused, []
+        if not refused:
+            return
+        first = [tx for tx, _ in refused[:_SaidTogether.SAMPLE]]
+        more = len(refused) - len(first)
+        log.error("%d transactions at the check limit not dead-lettered: %s (groups %s): %s%s; tried again an interval "
+                  "on (see the store's disk alerts: a full disk is freed by retention or more room)", len(refused),
+                  refused[0][1], _some({tx.group for tx, _ in refused}),
+                  "; ".join(f"{tx.uniq_key} (half {tx.half_offset})" for tx in first),
+                  f"; and {more} more" if more else "")
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         sound, damaged = [], []

@@ -1164,7 +1164,7 @@ async def test_transactions_reaching_the_check_limit_in_one_pass_are_said_in_one
 @bounded(60)
 async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_others_written(tmp_path, caplog):
     """Of 40 transactions reaching transaction_check_max in one pass (two batches of dead letters queued together),
-    the store refuses 5, in both batches and at their edges: each refused one is said, stays undecided and is
+    the store refuses 5, in both batches and at their edges: the refused ones are said, each stays undecided and is
     scheduled an interval on (not left off the schedule, never checked again), none is counted or recorded dead that
     is not in the log, and the next pass dead-letters them."""
     from broker.transaction.records import DEAD
@@ -1196,11 +1196,50 @@ async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_othe
             p.half_offset for p in dying} - refused
         assert set(tx.pending) == refused and not tx._deciding
         assert all(tx.pending[off].next_check == clock.now + tx.policy.check_interval_ms for off in refused)
-        assert caplog.text.count("could not dead-letter") == 5
+        assert caplog.text.count("5 transactions at the check limit not dead-lettered") == 1
         store.put_many = put_many
         clock.now += tx.policy.check_interval_ms + 1
         await tx.run_due(clock.now)
         assert ctx.store.max_offset(DEAD_TOPIC, 0) == 40 and not tx.pending
+    finally:
+        await store.close()
+
+
+@bounded(60)
+async def test_dead_letters_the_store_refuses_in_a_pass_are_said_in_one_error(tmp_path, caplog):
+    """A full disk refuses every dead letter of a burst reaching transaction_check_max: each refusal was an ERROR
+    line of its own, again at every interval while the disk stayed full (300 a pass here; 100,000 halves, 100,000
+    lines a minute, onto the disk that is full), where the pass's refused check records are one line. One ERROR a
+    pass now says how many, why, the first few halves, and that they are tried again an interval on."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(300)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        put_many = store.put_many
+
+        def refusing(reqs, reclaim=False, then=None):
+            if then is not None:
+                asyncio.get_running_loop().call_soon(
+                    then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
+                return None
+            return put_many(reqs, reclaim, then)
+        store.put_many = refusing
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert len(tx.pending) == 300
+        assert all(p.next_check == clock.now + tx.policy.check_interval_ms for p in dying)
+        said = [r.getMessage() for r in caplog.records if "dead-letter" in r.getMessage()]
+        assert len(said) == 1, len(said)
+        assert said[0].startswith("300 transactions at the check limit not dead-lettered"), said[0]
+        assert "CREATE_MAPPED_FILE_FAILED" in said[0] and str(dying[0].half_offset) in said[0], said[0]
+        store.put_many = put_many
+        clock.now += tx.policy.check_interval_ms + 1
+        await tx.run_due(clock.now)
+        assert not tx.pending
     finally:
         await store.close()
 
