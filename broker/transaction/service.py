@@ -132,6 +132,9 @@ class TransactionService:
         # silent and back at each late answer: once a check pass under a stream of its transactions, each a line.
         # The times not said are counted by key (at most _SILENT_KEYS_MAX keys) and given in its next line.
         self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
+        # Groups whose due transactions found no producer to ask: each said every 10 minutes (group names are the
+        # halves' own, chosen by clients: 20 groups an interval at most).
+        self._nobody_said = EveryKey(600, total=20, clock=lambda: ctx.monotonic() / 1000)
         self._silent_unsaid: dict[str, int] = {}
         # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
         # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
@@ -1096,6 +1099,14 @@ class TransactionService:
             metrics = self.ctx.metrics
             for group, n in collections.Counter(tx.group for tx in deferred).items():
                 metrics.child(metrics.checks_skipped, group).inc(n)
+                if self._nobody_said.due(group):
+                    log.warning("%d undecided transactions of producer group %s came due for a check and no producer "
+                                "of the group is connected: nobody can decide them. They wait, no check spent, and are "
+                                "checked as soon as a producer of the group registers; else retention dead-letters "
+                                "them as expired. Start a producer of the group, or decide them by hand (`python -m "
+                                "broker admin list --group %s`, then `admin commit|rollback OFFSET`). Said every 10 "
+                                "minutes a group (txmq_transaction_checks_deferred_total counts each deferral).",
+                                self.core.deferred_in(group), group, group)
         # due() took every one of these off the schedule and claimed the dead letters (the core marked them
         # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
         # Each must be put back or settled whatever goes wrong below, or it is never checked again and a

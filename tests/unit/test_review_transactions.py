@@ -1245,6 +1245,37 @@ async def test_dead_letters_the_store_refuses_in_a_pass_are_said_in_one_error(tm
 
 
 @bounded(60)
+async def test_due_transactions_of_a_group_with_no_producer_are_said_every_ten_minutes(tmp_path, caplog):
+    """A producer group none of whose producers is connected (all crashed, or the service retired with halves
+    undecided): its due transactions were deferred an interval at a time, for hours, counted in
+    txmq_transaction_checks_deferred_total and said in no line: a broker without Prometheus said nothing until
+    retention dead-lettered them as expired, days on. A WARNING says it now, once every 10 minutes a group: how many
+    wait, and what to do."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        waiting = [await add_half(ctx, f"orphan-{n}".encode(), group="PG_gone") for n in range(50)]
+        clock.now = max(p.next_check for p in waiting) + 1
+        for _ in range(5):      # five passes, an interval apart: each defers all 50 again
+            await tx.run_due(clock.now)
+            clock.now += tx.policy.check_interval_ms + 1
+        assert ctx.metrics.child(ctx.metrics.checks_skipped, "PG_gone")._value.get() == 250
+        said = [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
+        assert len(said) == 1, said
+        assert said[0].startswith("50 undecided transactions of producer group PG_gone"), said[0]
+        assert "admin list --group PG_gone" in said[0], said[0]
+        clock.now += 600_000
+        await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
+        assert len(said) == 2, said
+        assert all(p.checks == 0 for p in waiting)      # no check spent meanwhile
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
 async def test_large_halves_reaching_the_check_limit_are_dead_lettered_a_few_bytes_at_a_time(tmp_path, monkeypatch):
     """As retention's (test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time): the check pass's dead
     letters queued together end at DEAD_LETTER_BATCH_BYTES of halves as well as at DEAD_LETTER_BATCH."""
