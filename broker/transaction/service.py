@@ -135,6 +135,9 @@ class TransactionService:
         # Groups whose due transactions found no producer to ask: each said every 10 minutes (group names are the
         # halves' own, chosen by clients: 20 groups an interval at most).
         self._nobody_said = EveryKey(600, total=20, clock=lambda: ctx.monotonic() / 1000)
+        # ... once nobody was there for an interval: a producer restarted (a deploy) is back within it, its group's
+        # deferred checked at once, and that is no news. {group: when its due transactions first found nobody}
+        self._nobody_since: dict[str, int] = {}
         self._silent_unsaid: dict[str, int] = {}
         # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
         # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
@@ -1036,6 +1039,7 @@ class TransactionService:
         """A producer of ``group`` registered on a connection (ClientRegistry.on_new_producer): what was deferred
         for want of one is checked now, not an interval later (after a restart, or once the group's producers
         all reconnected, transactions in doubt waited up to a whole --transaction-check-interval-ms)."""
+        self._nobody_since.pop(group, None)
         if self.core.producer_joined(group, self.ctx.monotonic()):
             self.timer.wake()
 
@@ -1099,14 +1103,7 @@ class TransactionService:
             metrics = self.ctx.metrics
             for group, n in collections.Counter(tx.group for tx in deferred).items():
                 metrics.child(metrics.checks_skipped, group).inc(n)
-                if self._nobody_said.due(group):
-                    log.warning("%d undecided transactions of producer group %s came due for a check and no producer "
-                                "of the group is connected: nobody can decide them. They wait, no check spent, and are "
-                                "checked as soon as a producer of the group registers; else retention dead-letters "
-                                "them as expired. Start a producer of the group, or decide them by hand (`python -m "
-                                "broker admin list --group %s`, then `admin commit|rollback OFFSET`). Said every 10 "
-                                "minutes a group (txmq_transaction_checks_deferred_total counts each deferral).",
-                                self.core.deferred_in(group), group, group)
+                self._say_nobody(group, now)
         # due() took every one of these off the schedule and claimed the dead letters (the core marked them
         # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
         # Each must be put back or settled whatever goes wrong below, or it is never checked again and a
@@ -1140,6 +1137,21 @@ class TransactionService:
             for action in actions:
                 if isinstance(action, Write) and together.get(action.tx.half_offset) is said:
                     del together[action.tx.half_offset]
+
+    def _say_nobody(self, group: str, now: int) -> None:
+        """Due transactions of ``group`` were deferred, none of its producers here: said every 10 minutes a group once
+        nobody was there for an interval (a metric alone, a broker without Prometheus said nothing for days)."""
+        since = self._nobody_since
+        if len(since) >= _SILENT_KEYS_MAX and group not in since:
+            since.clear()       # (group names are the halves': a client's to choose)
+        if since.setdefault(group, now) <= now - self.policy.check_interval_ms and self._nobody_said.due(group):
+            log.warning("%d undecided transactions of producer group %s came due for a check and no producer "
+                        "of the group is connected: nobody can decide them. They wait, no check spent, and are "
+                        "checked as soon as a producer of the group registers; else retention dead-letters "
+                        "them as expired. Start a producer of the group, or decide them by hand (`python -m "
+                        "broker admin list --group %s`, then `admin commit|rollback OFFSET`). Said every 10 "
+                        "minutes a group (txmq_transaction_checks_deferred_total counts each deferral).",
+                        self.core.deferred_in(group), group, group)
 
     def _half_size(self, half_offset: int) -> int:
         """The bytes of the half at ``half_offset`` (its dead letter's, near enough); 0 if none is there."""

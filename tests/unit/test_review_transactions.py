@@ -1258,9 +1258,11 @@ async def test_due_transactions_of_a_group_with_no_producer_are_said_every_ten_m
     try:
         waiting = [await add_half(ctx, f"orphan-{n}".encode(), group="PG_gone") for n in range(50)]
         clock.now = max(p.next_check for p in waiting) + 1
-        for _ in range(5):      # five passes, an interval apart: each defers all 50 again
+        for n in range(5):      # five passes, an interval apart: each defers all 50 again
             await tx.run_due(clock.now)
             clock.now += tx.policy.check_interval_ms + 1
+            if n == 0:          # nobody for less than an interval (a producer restarting): not said yet
+                assert "no producer of the group is connected" not in caplog.text
         assert ctx.metrics.child(ctx.metrics.checks_skipped, "PG_gone")._value.get() == 250
         said = [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
         assert len(said) == 1, said
@@ -1271,6 +1273,10 @@ async def test_due_transactions_of_a_group_with_no_producer_are_said_every_ten_m
         said = [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
         assert len(said) == 2, said
         assert all(p.checks == 0 for p in waiting)      # no check spent meanwhile
+        tx.producer_joined("PG_gone")   # one came, then went again before its checks: an interval before it is said
+        clock.now += 600_001
+        await tx.run_due(clock.now)
+        assert len([r for r in caplog.records if "no producer of the group is connected" in r.getMessage()]) == 2
     finally:
         await ctx.store._store.close()
 
