@@ -1161,6 +1161,21 @@ async def test_transactions_reaching_the_check_limit_in_one_pass_are_said_in_one
         await ctx.store._store.close()
 
 
+def _refuse_puts(store, bodies=None):
+    """The store refuses the writes waited on (no room for a new segment: the completion comes later, nothing
+    written), those of records holding one of ``bodies`` only, if given; returns its own put_many."""
+    put_many = store.put_many
+
+    def refusing(reqs, reclaim=False, then=None):
+        if then is not None and (bodies is None or any(b in bytes(req.record) for req in reqs for b in bodies)):
+            asyncio.get_running_loop().call_soon(
+                then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
+            return None
+        return put_many(reqs, reclaim, then)
+    store.put_many = refusing
+    return put_many
+
+
 @bounded(60)
 async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_others_written(tmp_path, caplog):
     """Of 40 transactions reaching transaction_check_max in one pass (two batches of dead letters queued together),
@@ -1179,16 +1194,7 @@ async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_othe
         refused_at = (0, 3, 31, 32, 39)
         refused = {dying[i].half_offset for i in refused_at}
         bodies = [f"abandoned-{i:03d}".encode() for i in refused_at]
-        put_many = store.put_many
-
-        def refusing(reqs, reclaim=False, then=None):
-            # the store's refusal (no room for a new segment): the completion comes later, nothing written
-            if then is not None and any(b in bytes(req.record) for req in reqs for b in bodies):
-                asyncio.get_running_loop().call_soon(
-                    then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
-                return None
-            return put_many(reqs, reclaim, then)
-        store.put_many = refusing
+        put_many = _refuse_puts(store, bodies)
         clock.now = max(p.next_check for p in dying) + 1
         await tx.run_due(clock.now)
         assert ctx.store.max_offset(DEAD_TOPIC, 0) == 35
@@ -1219,15 +1225,7 @@ async def test_dead_letters_the_store_refuses_in_a_pass_are_said_in_one_error(tm
         dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(300)]
         for p in dying:
             p.checks = tx.policy.check_max
-        put_many = store.put_many
-
-        def refusing(reqs, reclaim=False, then=None):
-            if then is not None:
-                asyncio.get_running_loop().call_soon(
-                    then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
-                return None
-            return put_many(reqs, reclaim, then)
-        store.put_many = refusing
+        put_many = _refuse_puts(store)
         clock.now = max(p.next_check for p in dying) + 1
         await tx.run_due(clock.now)
         assert len(tx.pending) == 300
