@@ -138,6 +138,7 @@ class TransactionService:
         # ... once nobody was there for an interval: a producer restarted (a deploy) is back within it, its group's
         # deferred checked at once, and that is no news. {group: when its due transactions first found nobody}
         self._nobody_since: dict[str, int] = {}
+        self._nobody_pruned = -(1 << 62)    # when the full table last dropped groups with nothing deferred
         self._silent_unsaid: dict[str, int] = {}
         # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
         # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
@@ -1141,10 +1142,20 @@ class TransactionService:
     def _say_nobody(self, group: str, now: int) -> None:
         """Due transactions of ``group`` were deferred, none of its producers here: said every 10 minutes a group once
         nobody was there for an interval (a metric alone, a broker without Prometheus said nothing for days)."""
-        since = self._nobody_since
-        if len(since) >= _SILENT_KEYS_MAX and group not in since:
-            since.clear()       # (group names are the halves': a client's to choose)
-        if since.setdefault(group, now) <= now - self.policy.check_interval_ms and self._nobody_said.due(group):
+        since, interval = self._nobody_since, self.policy.check_interval_ms
+        first = since.get(group)
+        if first is None:
+            # (group names are the halves': a client's to choose.) Cleared when full, one group more than it holds
+            # deferred every pass cleared it at each pass and no group was ever said: the groups with nothing
+            # deferred any more go (once an interval at most: a scan of the table), and a group there is still no
+            # room for is said without the interval's grace (the 20 a window bound the lines).
+            if len(since) >= _SILENT_KEYS_MAX and now - self._nobody_pruned >= interval:
+                self._nobody_pruned = now
+                for gone in [g for g in since if not self.core.deferred_in(g)]:
+                    del since[gone]
+            if len(since) < _SILENT_KEYS_MAX:
+                since[group] = first = now
+        if (first is None or first <= now - interval) and self._nobody_said.due(group):
             log.warning("%d undecided transactions of producer group %s came due for a check and no producer "
                         "of the group is connected: nobody can decide them. They wait, no check spent, and are "
                         "checked as soon as a producer of the group registers; else retention dead-letters "

@@ -1279,6 +1279,64 @@ async def test_due_transactions_of_a_group_with_no_producer_are_said_every_ten_m
         await ctx.store._store.close()
 
 
+def _nobody_said_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
+
+
+async def _orphans_of_groups(ctx, groups: list[str]) -> int:
+    """A half of each of ``groups``, none of whose producers is here; returns when the last is due."""
+    return max([(await add_half(ctx, f"orphan-{g}".encode(), group=g)).next_check for g in groups]) + 1
+
+
+@bounded(60)
+async def test_more_groups_with_no_producer_than_the_table_holds_are_still_said(tmp_path, caplog, monkeypatch):
+    """The groups whose due transactions found nobody are timed in a table of at most _SILENT_KEYS_MAX groups,
+    cleared when full: with one group more than it holds deferred every pass, each pass cleared it on the way round
+    and began every group's interval again, and no group was ever said (hours of passes, no line), the real orphaned
+    group included among a client's made-up ones. Groups with nothing deferred any more go first; a group the table
+    has no room for is said without the interval's grace (the 20 a window still bound the lines)."""
+    import broker.transaction.service as service
+    monkeypatch.setattr(service, "_SILENT_KEYS_MAX", 3)
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    groups = [f"PG_gone_{n}" for n in range(4)]
+    try:
+        clock.now = await _orphans_of_groups(ctx, groups)
+        for _ in range(5):
+            await tx.run_due(clock.now)
+            clock.now += tx.policy.check_interval_ms + 1
+        said = _nobody_said_of(caplog)
+        assert {g for g in groups if any(f"producer group {g} came" in line for line in said)} == set(groups), said
+        assert len(tx._nobody_since) <= 3
+    finally:
+        await ctx.store._store.close()
+
+
+@bounded(60)
+async def test_groups_with_no_producer_past_a_window_s_twenty_are_said_in_a_later_window(tmp_path, caplog):
+    """At most 20 groups with no producer are said a 10-minute window; the 21st waits for the next one. The same 20
+    came first in every pass (due in the same order), each due again as the window turned: they took every window's
+    20 and the 21st was never said, however long it waited. Each said group waits out the next window's others."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    groups = [f"PG_gone_{n:02d}" for n in range(21)]
+    try:
+        clock.now = await _orphans_of_groups(ctx, groups)
+        for _ in range(40):     # 40 passes a minute apart: four windows
+            await tx.run_due(clock.now)
+            clock.now += 60_000
+        said = _nobody_said_of(caplog)
+        assert {g for g in groups if any(f"producer group {g} came" in line for line in said)} == set(groups), \
+            sorted(line.split(" came")[0] for line in said)
+        assert len(said) <= 20 * 4, len(said)
+    finally:
+        await ctx.store._store.close()
+
+
 @bounded(60)
 async def test_large_halves_reaching_the_check_limit_are_dead_lettered_a_few_bytes_at_a_time(tmp_path, monkeypatch):
     """As retention's (test_large_expired_halves_are_dead_lettered_a_few_bytes_at_a_time): the check pass's dead
