@@ -1180,16 +1180,26 @@ class TransactionService:
         self.core.dead_letter_failed(tx, now)
 
     def _say_dead_refused(self) -> None:
-        refused, self._dead_refused = self._dead_refused, []
-        if not refused:
-            return
-        first = [tx for tx, _ in refused[:_SaidTogether.SAMPLE]]
-        more = len(refused) - len(first)
-        log.error("%d transactions at the check limit not dead-lettered: %s (groups %s): %s%s; tried again an interval "
-                  "on (see the store's disk alerts: a full disk is freed by retention or more room)", len(refused),
-                  refused[0][1], _some({tx.group for tx, _ in refused}),
-                  "; ".join(f"{tx.uniq_key} (half {tx.half_offset})" for tx in first),
-                  f"; and {more} more" if more else "")
+        """One ERROR a reason (the first one's for all: a half gone from the log said among a full disk's refusals
+        was said as refused by the store, or they all as the missing half), for the SAMPLE commonest; the rest in
+        one more (a reason may name its transaction: a store stopped read-only refuses each with its uniq key)."""
+        by_reason: dict[str, list[Tx]] = {}
+        for tx, why in self._dead_refused:
+            by_reason.setdefault(why, []).append(tx)
+        self._dead_refused = []
+        reasons = sorted(by_reason.items(), key=lambda item: -len(item[1]))
+        rest = reasons[_SaidTogether.SAMPLE:]
+        if rest:
+            log.error("%d more transactions at the check limit not dead-lettered for %d other reasons (first: %s); "
+                      "tried again an interval on", sum(len(txs) for _, txs in rest), len(rest), rest[0][0])
+        for why, refused in reasons[:_SaidTogether.SAMPLE]:
+            first = refused[:_SaidTogether.SAMPLE]
+            more = len(refused) - len(first)
+            log.error("%d transactions at the check limit not dead-lettered: %s (groups %s): %s%s; tried again an "
+                      "interval on (see the store's disk alerts: a full disk is freed by retention or more room)",
+                      len(refused), why, _some({tx.group for tx in refused}),
+                      "; ".join(f"{tx.uniq_key} (half {tx.half_offset})" for tx in first),
+                      f"; and {more} more" if more else "")
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         sound, damaged = [], []

@@ -1243,6 +1243,43 @@ async def test_dead_letters_the_store_refuses_in_a_pass_are_said_in_one_error(tm
 
 
 @bounded(60)
+async def test_dead_letters_not_written_for_different_reasons_in_a_pass_each_say_theirs(tmp_path, caplog):
+    """The pass's dead letters not written were one ERROR with the first one's reason for all: a half gone from
+    the log (not a full disk: it never will be written) said among a full disk's refusals was said as refused by the
+    store, or 9 refusals as `Find prepared transaction message failed`, the operator sent to the wrong problem. One
+    ERROR a reason, each with its count and its own halves."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx, store = ctx.tx, ctx.store._store
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(10)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        gone = dying[7].half_offset
+        verified = store.verified_record
+        ctx.store.verified_record = lambda off, what: None if off == gone else verified(off, what)
+        put_many = _refuse_puts(store)
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert len(tx.pending) == 10
+        said = [r.getMessage() for r in caplog.records if "not dead-lettered" in r.getMessage()]
+        assert len(said) == 2, said
+        refused = next(line for line in said if "CREATE_MAPPED_FILE_FAILED" in line)
+        missing = next(line for line in said if "Find prepared transaction message failed" in line)
+        assert refused.startswith("9 transactions") and f"half {gone})" not in refused, refused
+        assert missing.startswith("1 transactions") and f"half {gone})" in missing, missing
+        caplog.clear()      # a reason may name its transaction (a store stopped read-only): not a line each
+        tx._dead_refused = [(p, f"store refused the decision: SERVICE_NOT_AVAILABLE ({p.uniq_key})") for p in dying]
+        tx._say_dead_refused()
+        said = [r.getMessage() for r in caplog.records if "not dead-lettered" in r.getMessage()]
+        assert len(said) == 6 and said[0].startswith("5 more transactions"), said
+        store.put_many = put_many
+    finally:
+        await store.close()
+
+
+@bounded(60)
 async def test_due_transactions_of_a_group_with_no_producer_are_said_every_ten_minutes(tmp_path, caplog):
     """A producer group none of whose producers is connected (all crashed, or the service retired with halves
     undecided): its due transactions were deferred an interval at a time, for hours, counted in
