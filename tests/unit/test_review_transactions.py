@@ -1211,20 +1211,27 @@ async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_othe
         await store.close()
 
 
+async def _halves_at_the_check_limit(tmp_path, caplog, n: int):
+    """A service logging its WARNINGs and ``n`` halves whose checks are all spent, which its next pass
+    dead-letters: (clock, context, halves)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    caplog.set_level(logging.WARNING, logger="txmq")
+    dying = [await add_half(ctx, f"abandoned-{i:03d}".encode()) for i in range(n)]
+    for p in dying:
+        p.checks = ctx.tx.policy.check_max
+    return clock, ctx, dying
+
+
 @bounded(60)
 async def test_dead_letters_the_store_refuses_in_a_pass_are_said_in_one_error(tmp_path, caplog):
     """A full disk refuses every dead letter of a burst reaching transaction_check_max: each refusal was an ERROR
     line of its own, again at every interval while the disk stayed full (300 a pass here; 100,000 halves, 100,000
     lines a minute, onto the disk that is full), where the pass's refused check records are one line. One ERROR a
     pass now says how many, why, the first few halves, and that they are tried again an interval on."""
-    clock = Clock()
-    ctx = await make_service(tmp_path, clock)
+    clock, ctx, dying = await _halves_at_the_check_limit(tmp_path, caplog, 300)
     tx, store = ctx.tx, ctx.store._store
-    caplog.set_level(logging.WARNING, logger="txmq")
     try:
-        dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(300)]
-        for p in dying:
-            p.checks = tx.policy.check_max
         put_many = _refuse_puts(store)
         clock.now = max(p.next_check for p in dying) + 1
         await tx.run_due(clock.now)
@@ -1248,14 +1255,9 @@ async def test_dead_letters_not_written_for_different_reasons_in_a_pass_each_say
     the log (not a full disk: it never will be written) said among a full disk's refusals was said as refused by the
     store, or 9 refusals as `Find prepared transaction message failed`, the operator sent to the wrong problem. One
     ERROR a reason, each with its count and its own halves."""
-    clock = Clock()
-    ctx = await make_service(tmp_path, clock)
+    clock, ctx, dying = await _halves_at_the_check_limit(tmp_path, caplog, 10)
     tx, store = ctx.tx, ctx.store._store
-    caplog.set_level(logging.WARNING, logger="txmq")
     try:
-        dying = [await add_half(ctx, f"abandoned-{n:03d}".encode()) for n in range(10)]
-        for p in dying:
-            p.checks = tx.policy.check_max
         gone = dying[7].half_offset
         verified = store.verified_record
         ctx.store.verified_record = lambda off, what: None if off == gone else verified(off, what)
@@ -1320,9 +1322,22 @@ def _nobody_said_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
 
 
-async def _orphans_of_groups(ctx, groups: list[str]) -> int:
-    """A half of each of ``groups``, none of whose producers is here; returns when the last is due."""
-    return max([(await add_half(ctx, f"orphan-{g}".encode(), group=g)).next_check for g in groups]) + 1
+async def _nobody_said_in_passes(tmp_path, caplog, groups: list[str], passes: int, step_ms: int | None = None):
+    """A half of each of ``groups``, none of whose producers is here, checked in ``passes`` passes ``step_ms`` apart
+    (an interval, if not given): (the no-producer lines said, the groups named in them, the service)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        clock.now = max([(await add_half(ctx, f"orphan-{g}".encode(), group=g)).next_check for g in groups]) + 1
+        for _ in range(passes):
+            await tx.run_due(clock.now)
+            clock.now += step_ms or tx.policy.check_interval_ms + 1
+    finally:
+        await ctx.store._store.close()
+    said = _nobody_said_of(caplog)
+    return said, {g for g in groups if any(f"producer group {g} came" in line for line in said)}, tx
 
 
 @bounded(60)
@@ -1334,21 +1349,10 @@ async def test_more_groups_with_no_producer_than_the_table_holds_are_still_said(
     has no room for is said without the interval's grace (the 20 a window still bound the lines)."""
     import broker.transaction.service as service
     monkeypatch.setattr(service, "_SILENT_KEYS_MAX", 3)
-    clock = Clock()
-    ctx = await make_service(tmp_path, clock)
-    tx = ctx.tx
-    caplog.set_level(logging.WARNING, logger="txmq")
     groups = [f"PG_gone_{n}" for n in range(4)]
-    try:
-        clock.now = await _orphans_of_groups(ctx, groups)
-        for _ in range(5):
-            await tx.run_due(clock.now)
-            clock.now += tx.policy.check_interval_ms + 1
-        said = _nobody_said_of(caplog)
-        assert {g for g in groups if any(f"producer group {g} came" in line for line in said)} == set(groups), said
-        assert len(tx._nobody_since) <= 3
-    finally:
-        await ctx.store._store.close()
+    said, named, tx = await _nobody_said_in_passes(tmp_path, caplog, groups, 5)
+    assert named == set(groups), said
+    assert len(tx._nobody_since) <= 3
 
 
 @bounded(60)
@@ -1356,22 +1360,10 @@ async def test_groups_with_no_producer_past_a_window_s_twenty_are_said_in_a_late
     """At most 20 groups with no producer are said a 10-minute window; the 21st waits for the next one. The same 20
     came first in every pass (due in the same order), each due again as the window turned: they took every window's
     20 and the 21st was never said, however long it waited. Each said group waits out the next window's others."""
-    clock = Clock()
-    ctx = await make_service(tmp_path, clock)
-    tx = ctx.tx
-    caplog.set_level(logging.WARNING, logger="txmq")
     groups = [f"PG_gone_{n:02d}" for n in range(21)]
-    try:
-        clock.now = await _orphans_of_groups(ctx, groups)
-        for _ in range(40):     # 40 passes a minute apart: four windows
-            await tx.run_due(clock.now)
-            clock.now += 60_000
-        said = _nobody_said_of(caplog)
-        assert {g for g in groups if any(f"producer group {g} came" in line for line in said)} == set(groups), \
-            sorted(line.split(" came")[0] for line in said)
-        assert len(said) <= 20 * 4, len(said)
-    finally:
-        await ctx.store._store.close()
+    said, named, _ = await _nobody_said_in_passes(tmp_path, caplog, groups, 40, 60_000)   # 4 windows
+    assert named == set(groups), sorted(line.split(" came")[0] for line in said)
+    assert len(said) <= 20 * 4, len(said)
 
 
 @bounded(60)
