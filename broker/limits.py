@@ -43,6 +43,12 @@ class EveryKey:
         # chooses the keys (made-up group names cost nothing): each new one was a line.
         self.total = total
         self._window = (float("-inf"), 0)      # (when the interval began, keys said in it)
+        # Keys refused as an interval's ``total`` was said, and those refused in the interval before, which have the
+        # first claim on this one's: the keys said in one interval are due again as the next begins, and where they
+        # come first each time (a pass in the same order), they took every interval's ``total`` and the others were
+        # never said. A key with the first claim that does not come back holds its room for that interval alone.
+        self._refused: set[str] = set()
+        self._first: set[str] = set()
 
     def due(self, key: str) -> bool:
         now = self.clock()
@@ -52,8 +58,14 @@ class EveryKey:
             began, n = self._window
             if now - began >= self.interval_s:
                 began, n = now, 0
-            if n >= self.total:
+                self._first, self._refused = self._refused, set()
+            first = self._first
+            if n >= self.total or (key not in first and n + len(first) >= self.total):
+                if len(self._refused) < self.max_keys:
+                    self._refused.add(key)
+                self._window = (began, n)
                 return False        # (not marked said: said once the interval is over)
+            first.discard(key)
             self._window = (began, n + 1)
         if len(self.said) >= self.max_keys:
             self.said.clear()

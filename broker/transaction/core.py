@@ -810,6 +810,10 @@ class TransactionCore:
         of ones decided or due again meanwhile)."""
         return sum(len(d) for d in self._deferred.values()) + sum(len(d) for _, d in self._waking)
 
+    def deferred_in(self, group: str) -> int:
+        """Transactions of ``group`` deferred for want of a producer of it (stale entries included, as above)."""
+        return len(self._deferred.get(group, ()))
+
     def _undefer(self, tx: Tx) -> None:
         tx.deferred = False
         entries = self._deferred.get(tx.group)

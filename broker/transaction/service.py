@@ -101,6 +101,7 @@ class TransactionService:
         self.pending = self.core.pending
         self.table: DecisionTable | None = None
         self._refused = [0, ""]     # (run_due) check records refused this pass, and why
+        self._dead_refused: list[tuple[Tx, str]] = []   # (run_due) max-check dead letters refused this pass, and why
         self.dead_count = 0
         # (a slave) undecided halves its cleaner removed, its master's to dead-letter: kept in its snapshot until an
         # op decides them, so the start that promotes it can say the ones it lost (recovery._removed_undecided)
@@ -131,6 +132,14 @@ class TransactionService:
         # silent and back at each late answer: once a check pass under a stream of its transactions, each a line.
         # The times not said are counted by key (at most _SILENT_KEYS_MAX keys) and given in its next line.
         self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
+        # Groups whose due transactions found no producer to ask: each said every 10 minutes (group names are the
+        # halves' own, chosen by clients: 20 groups an interval at most).
+        self._nobody_said = EveryKey(600, total=20, clock=lambda: ctx.monotonic() / 1000)
+        # ... once nobody was there for an interval: a producer restarted (a deploy) is back within it, its group's
+        # deferred checked at once, and that is no news. {group: when its due transactions first found nobody}
+        self._nobody_since: dict[str, int] = {}
+        self._nobody_pruned = -(1 << 62)    # when the full table last dropped groups with nothing deferred
+        self._nobody_asked: set[str] = set()
         self._silent_unsaid: dict[str, int] = {}
         # A late COMMIT's dead-letter lookup that could not see it all (_commit_after_removed), said once a 10 s:
         # any client can send COMMITs naming made-up offsets below the log, and each wrote two WARNINGs.
@@ -1032,6 +1041,7 @@ class TransactionService:
         """A producer of ``group`` registered on a connection (ClientRegistry.on_new_producer): what was deferred
         for want of one is checked now, not an interval later (after a restart, or once the group's producers
         all reconnected, transactions in doubt waited up to a whole --transaction-check-interval-ms)."""
+        self._nobody_since.pop(group, None)
         if self.core.producer_joined(group, self.ctx.monotonic()):
             self.timer.wake()
 
@@ -1049,9 +1059,14 @@ class TransactionService:
     async def run_due(self, now: int) -> None:
         room_for, started = self._room_for, now
         self._refused = [0, ""]             # check records the store refused this pass: said once, at its end
+        # The pass's max-check dead letters, said in one WARNING at its end (as retention's): a line each, a burst
+        # of 100,000 halves whose producers all crashed reaching the limit together was 100,000 lines.
+        said = _SaidTogether(Origin.MAX_CHECKS.value)
+        self._dead_refused = []     # said once, at its end, as the check records: a line each was a burst's every one
+        self._nobody_asked: set[str] = set()    # groups of this pass's deferred whose line was considered
         try:
             while True:
-                await self._run_slice(now, room_for)
+                await self._run_slice(now, room_for, said)
                 # Parked ones come back once a pass, with the room there is then, and in a long pass at each offer to
                 # every group (once a second): offered room in a pass's first slice alone, they waited for the whole
                 # of a pass over another group's backlog (up to a check interval), not the second said. Not at every
@@ -1072,9 +1087,11 @@ class TransactionService:
             if refused:     # a full disk: no check goes out unrecorded, and the transactions wait (said, per pass)
                 log.warning("%d transaction checks not sent: their check records were refused (%s); checked again "
                             "an interval on", refused, why)
+            said.say()
+            self._say_dead_refused()
         self._save_progress()
 
-    async def _run_slice(self, now: int, room_for) -> None:
+    async def _run_slice(self, now: int, room_for, said: _SaidTogether) -> None:
         self._slice_bytes = {}      # written out (or the connection paused) by the time the next slice runs
         self._slice_full = {}       # answers may have come back by then too, and producers joined
         self._slice_gone = set()
@@ -1087,14 +1104,20 @@ class TransactionService:
             self._say_silent()
         if deferred:        # (most slices defer nothing: no Counter built for them, one a transaction at one in flight)
             metrics = self.ctx.metrics
+            asked = self._nobody_asked
             for group, n in collections.Counter(tx.group for tx in deferred).items():
                 metrics.child(metrics.checks_skipped, group).inc(n)
+                if group not in asked:      # once a pass (a slice each, 1000 groups' 20,000: 5% of the pass)
+                    asked.add(group)
+                    self._say_nobody(group, now)
         # due() took every one of these off the schedule and claimed the dead letters (the core marked them
         # DECIDING; a decision arriving meanwhile, a producer's END_TRANSACTION included, waits on the claim).
         # Each must be put back or settled whatever goes wrong below, or it is never checked again and a
         # decision on it waits forever (the timer logs and counts a raising pass and goes on).
         checks = [a for a in actions if isinstance(a, SendCheck)]
         deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
+        together = self._said_together
+        together.update((a.tx.half_offset, said) for a, _ in deaths if a.reason == said.reason)
         try:
             if checks:
                 await self._send_checks(checks, now)       # a failed write reschedules them (below)
@@ -1117,6 +1140,34 @@ class TransactionService:
             for action, claim in deaths:    # not attempted (the checks raised, or a stop): undecided again
                 self._unclaim(action.tx, claim, False)
                 self.core.dead_letter_failed(action.tx, now)
+            for action in actions:
+                if isinstance(action, Write) and together.get(action.tx.half_offset) is said:
+                    del together[action.tx.half_offset]
+
+    def _say_nobody(self, group: str, now: int) -> None:
+        """Due transactions of ``group`` were deferred, none of its producers here: said every 10 minutes a group once
+        nobody was there for an interval (a metric alone, a broker without Prometheus said nothing for days)."""
+        since, interval = self._nobody_since, self.policy.check_interval_ms
+        first = since.get(group)
+        if first is None:
+            # (group names are the halves': a client's to choose.) Cleared when full, one group more than it holds
+            # deferred every pass cleared it at each pass and no group was ever said: the groups with nothing
+            # deferred any more go (once an interval at most: a scan of the table), and a group there is still no
+            # room for is said without the interval's grace (the 20 a window bound the lines).
+            if len(since) >= _SILENT_KEYS_MAX and now - self._nobody_pruned >= interval:
+                self._nobody_pruned = now
+                for gone in [g for g in since if not self.core.deferred_in(g)]:
+                    del since[gone]
+            if len(since) < _SILENT_KEYS_MAX:
+                since[group] = first = now
+        if (first is None or first <= now - interval) and self._nobody_said.due(group):
+            log.warning("%d undecided transactions of producer group %s came due for a check and no producer "
+                        "of the group is connected: nobody can decide them. They wait, no check spent, and are "
+                        "checked as soon as a producer of the group registers; else retention dead-letters "
+                        "them as expired. Start a producer of the group, or decide them by hand (`python -m "
+                        "broker admin list --group %s`, then `admin commit|rollback OFFSET`). Said every 10 "
+                        "minutes a group (txmq_transaction_checks_deferred_total counts each deferral).",
+                        self.core.deferred_in(group), group, group)
 
     def _half_size(self, half_offset: int) -> int:
         """The bytes of the half at ``half_offset`` (its dead letter's, near enough); 0 if none is there."""
@@ -1124,12 +1175,36 @@ class TransactionService:
         return len(record) if record is not None else 0
 
     def _dead_letter_failed(self, tx: Tx, now: int, exc: Exception) -> None:
-        """A max-checks dead letter not written: said, and the transaction retried (DecisionError: refused)."""
+        """A max-checks dead letter not written: said, and the transaction retried an interval on (DecisionError:
+        refused, said with the pass's others at its end: a line each, a full disk refusing a burst's 100,000 was
+        100,000 ERROR lines at every interval)."""
         if isinstance(exc, DecisionError):
-            log.error("could not dead-letter %d: %s", tx.half_offset, exc.remark)
+            self._dead_refused.append((tx, exc.remark))
         else:
             log.error("could not dead-letter %d", tx.half_offset, exc_info=exc)
         self.core.dead_letter_failed(tx, now)
+
+    def _say_dead_refused(self) -> None:
+        """One ERROR a reason (the first one's for all: a half gone from the log said among a full disk's refusals
+        was said as refused by the store, or they all as the missing half), for the SAMPLE commonest; the rest in
+        one more (a reason may name its transaction: a store stopped read-only refuses each with its uniq key)."""
+        by_reason: dict[str, list[Tx]] = {}
+        for tx, why in self._dead_refused:
+            by_reason.setdefault(why, []).append(tx)
+        self._dead_refused = []
+        reasons = sorted(by_reason.items(), key=lambda item: -len(item[1]))
+        rest = reasons[_SaidTogether.SAMPLE:]
+        if rest:
+            log.error("%d more transactions at the check limit not dead-lettered for %d other reasons (first: %s); "
+                      "tried again an interval on", sum(len(txs) for _, txs in rest), len(rest), rest[0][0])
+        for why, refused in reasons[:_SaidTogether.SAMPLE]:
+            first = refused[:_SaidTogether.SAMPLE]
+            more = len(refused) - len(first)
+            log.error("%d transactions at the check limit not dead-lettered: %s (groups %s): %s%s; tried again an "
+                      "interval on (see the store's disk alerts: a full disk is freed by retention or more room)",
+                      len(refused), why, _some({tx.group for tx in refused}),
+                      "; ".join(f"{tx.uniq_key} (half {tx.half_offset})" for tx in first),
+                      f"; and {more} more" if more else "")
 
     async def _send_checks(self, batch: list[SendCheck], now: int) -> None:
         sound, damaged = [], []

@@ -428,14 +428,24 @@ def test_every_key_says_a_key_once_an_interval_and_keeps_no_more_than_max_keys()
 def test_every_key_with_a_total_says_at_most_that_many_keys_an_interval():
     """``total``: new keys (made-up groups a client names at no cost) were a line each; at most ``total`` are said
     an interval, ``full`` saying why the rest were not (a summary line), and a key held back is said once the
-    interval is over."""
+    interval is over, before the keys said in the last: those came first again in the next interval (a pass in the
+    same order) and took its ``total`` each time, the others never said."""
     from broker.limits import EveryKey
     now = [100.0]
     said = EveryKey(60.0, clock=lambda: now[0], total=2)
     assert [said.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False]
     assert said.full()
     now[0] += 60.0
-    assert not said.full() and said.due("c") and said.due("a") and said.full()
+    assert [said.due(k) for k in ("a", "b", "c", "d")] == [False, False, True, True]
+    assert said.full()
+    now[0] += 60.0
+    assert [said.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False]
+    now[0] += 60.0      # c and d held back do not come back: they hold their room for that interval alone
+    assert [said.due(k) for k in ("e", "f")] == [False, False]
+    now[0] += 60.0
+    assert not said.full() and [said.due(k) for k in ("a", "e", "f")] == [False, True, True] and said.full()
+    now[0] += 60.0
+    assert said.due("a") and not said.full()
     assert not EveryKey(60.0).full()
 
 

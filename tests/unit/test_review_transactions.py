@@ -1128,9 +1128,58 @@ async def test_many_transactions_reaching_the_check_limit_together_are_dead_lett
 
 
 @bounded(60)
+async def test_transactions_reaching_the_check_limit_in_one_pass_are_said_in_one_warning(tmp_path, caplog):
+    """A burst of halves whose producers all crashed reaches transaction_check_max in one pass: each dead letter was
+    said in a WARNING of its own (300 here; 100,000 halves, 100,000 lines, written on the event loop as the pass
+    ran), where retention's and an expiry plan's are said together. A pass's max-check dead letters are one
+    WARNING now, the first few named and the rest counted; one alone is said as before."""
+    from broker.transaction.records import DEAD
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        dying = [await add_half(ctx, f"abandoned-{n}".encode()) for n in range(300)]
+        for p in dying:
+            p.checks = tx.policy.check_max
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert all(tx.decision_of(p.half_offset) == DEAD for p in dying)
+        said = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(said) == 1, len(said)
+        assert said[0].startswith("300 transactions dead-lettered: max-checks"), said[0]
+        assert "and 295 more" in said[0] and dying[0].uniq_key in said[0], said[0]
+        assert not tx._said_together
+        caplog.clear()
+        alone = await add_half(ctx, b"abandoned-alone")
+        alone.checks = tx.policy.check_max
+        clock.now = alone.next_check + 1
+        await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(said) == 1 and alone.uniq_key in said[0] and f"after {tx.policy.check_max} checks" in said[0], said
+    finally:
+        await ctx.store._store.close()
+
+
+def _refuse_puts(store, bodies=None):
+    """The store refuses the writes waited on (no room for a new segment: the completion comes later, nothing
+    written), those of records holding one of ``bodies`` only, if given; returns its own put_many."""
+    put_many = store.put_many
+
+    def refusing(reqs, reclaim=False, then=None):
+        if then is not None and (bodies is None or any(b in bytes(req.record) for req in reqs for b in bodies)):
+            asyncio.get_running_loop().call_soon(
+                then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
+            return None
+        return put_many(reqs, reclaim, then)
+    store.put_many = refusing
+    return put_many
+
+
+@bounded(60)
 async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_others_written(tmp_path, caplog):
     """Of 40 transactions reaching transaction_check_max in one pass (two batches of dead letters queued together),
-    the store refuses 5, in both batches and at their edges: each refused one is said, stays undecided and is
+    the store refuses 5, in both batches and at their edges: the refused ones are said, each stays undecided and is
     scheduled an interval on (not left off the schedule, never checked again), none is counted or recorded dead that
     is not in the log, and the next pass dead-letters them."""
     from broker.transaction.records import DEAD
@@ -1145,16 +1194,7 @@ async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_othe
         refused_at = (0, 3, 31, 32, 39)
         refused = {dying[i].half_offset for i in refused_at}
         bodies = [f"abandoned-{i:03d}".encode() for i in refused_at]
-        put_many = store.put_many
-
-        def refusing(reqs, reclaim=False, then=None):
-            # the store's refusal (no room for a new segment): the completion comes later, nothing written
-            if then is not None and any(b in bytes(req.record) for req in reqs for b in bodies):
-                asyncio.get_running_loop().call_soon(
-                    then.set_result, [PutResult(PutStatus.CREATE_MAPPED_FILE_FAILED)] * len(reqs))
-                return None
-            return put_many(reqs, reclaim, then)
-        store.put_many = refusing
+        put_many = _refuse_puts(store, bodies)
         clock.now = max(p.next_check for p in dying) + 1
         await tx.run_due(clock.now)
         assert ctx.store.max_offset(DEAD_TOPIC, 0) == 35
@@ -1162,13 +1202,168 @@ async def test_dead_letters_refused_inside_a_batch_are_each_retried_and_the_othe
             p.half_offset for p in dying} - refused
         assert set(tx.pending) == refused and not tx._deciding
         assert all(tx.pending[off].next_check == clock.now + tx.policy.check_interval_ms for off in refused)
-        assert caplog.text.count("could not dead-letter") == 5
+        assert caplog.text.count("5 transactions at the check limit not dead-lettered") == 1
         store.put_many = put_many
         clock.now += tx.policy.check_interval_ms + 1
         await tx.run_due(clock.now)
         assert ctx.store.max_offset(DEAD_TOPIC, 0) == 40 and not tx.pending
     finally:
         await store.close()
+
+
+async def _halves_at_the_check_limit(tmp_path, caplog, n: int):
+    """A service logging its WARNINGs and ``n`` halves whose checks are all spent, which its next pass
+    dead-letters: (clock, context, halves)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    caplog.set_level(logging.WARNING, logger="txmq")
+    dying = [await add_half(ctx, f"abandoned-{i:03d}".encode()) for i in range(n)]
+    for p in dying:
+        p.checks = ctx.tx.policy.check_max
+    return clock, ctx, dying
+
+
+@bounded(60)
+async def test_dead_letters_the_store_refuses_in_a_pass_are_said_in_one_error(tmp_path, caplog):
+    """A full disk refuses every dead letter of a burst reaching transaction_check_max: each refusal was an ERROR
+    line of its own, again at every interval while the disk stayed full (300 a pass here; 100,000 halves, 100,000
+    lines a minute, onto the disk that is full), where the pass's refused check records are one line. One ERROR a
+    pass now says how many, why, the first few halves, and that they are tried again an interval on."""
+    clock, ctx, dying = await _halves_at_the_check_limit(tmp_path, caplog, 300)
+    tx, store = ctx.tx, ctx.store._store
+    try:
+        put_many = _refuse_puts(store)
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert len(tx.pending) == 300
+        assert all(p.next_check == clock.now + tx.policy.check_interval_ms for p in dying)
+        said = [r.getMessage() for r in caplog.records if "dead-letter" in r.getMessage()]
+        assert len(said) == 1, len(said)
+        assert said[0].startswith("300 transactions at the check limit not dead-lettered"), said[0]
+        assert "CREATE_MAPPED_FILE_FAILED" in said[0] and str(dying[0].half_offset) in said[0], said[0]
+        store.put_many = put_many
+        clock.now += tx.policy.check_interval_ms + 1
+        await tx.run_due(clock.now)
+        assert not tx.pending
+    finally:
+        await store.close()
+
+
+@bounded(60)
+async def test_dead_letters_not_written_for_different_reasons_in_a_pass_each_say_theirs(tmp_path, caplog):
+    """The pass's dead letters not written were one ERROR with the first one's reason for all: a half gone from
+    the log (not a full disk: it never will be written) said among a full disk's refusals was said as refused by the
+    store, or 9 refusals as `Find prepared transaction message failed`, the operator sent to the wrong problem. One
+    ERROR a reason, each with its count and its own halves."""
+    clock, ctx, dying = await _halves_at_the_check_limit(tmp_path, caplog, 10)
+    tx, store = ctx.tx, ctx.store._store
+    try:
+        gone = dying[7].half_offset
+        verified = store.verified_record
+        ctx.store.verified_record = lambda off, what: None if off == gone else verified(off, what)
+        put_many = _refuse_puts(store)
+        clock.now = max(p.next_check for p in dying) + 1
+        await tx.run_due(clock.now)
+        assert len(tx.pending) == 10
+        said = [r.getMessage() for r in caplog.records if "not dead-lettered" in r.getMessage()]
+        assert len(said) == 2, said
+        refused = next(line for line in said if "CREATE_MAPPED_FILE_FAILED" in line)
+        missing = next(line for line in said if "Find prepared transaction message failed" in line)
+        assert refused.startswith("9 transactions") and f"half {gone})" not in refused, refused
+        assert missing.startswith("1 transactions") and f"half {gone})" in missing, missing
+        caplog.clear()      # a reason may name its transaction (a store stopped read-only): not a line each
+        tx._dead_refused = [(p, f"store refused the decision: SERVICE_NOT_AVAILABLE ({p.uniq_key})") for p in dying]
+        tx._say_dead_refused()
+        said = [r.getMessage() for r in caplog.records if "not dead-lettered" in r.getMessage()]
+        assert len(said) == 6 and said[0].startswith("5 more transactions"), said
+        store.put_many = put_many
+    finally:
+        await store.close()
+
+
+@bounded(60)
+async def test_due_transactions_of_a_group_with_no_producer_are_said_every_ten_minutes(tmp_path, caplog):
+    """A producer group none of whose producers is connected (all crashed, or the service retired with halves
+    undecided): its due transactions were deferred an interval at a time, for hours, counted in
+    txmq_transaction_checks_deferred_total and said in no line: a broker without Prometheus said nothing until
+    retention dead-lettered them as expired, days on. A WARNING says it now, once every 10 minutes a group: how many
+    wait, and what to do."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        waiting = [await add_half(ctx, f"orphan-{n}".encode(), group="PG_gone") for n in range(50)]
+        clock.now = max(p.next_check for p in waiting) + 1
+        for n in range(5):      # five passes, an interval apart: each defers all 50 again
+            await tx.run_due(clock.now)
+            clock.now += tx.policy.check_interval_ms + 1
+            if n == 0:          # nobody for less than an interval (a producer restarting): not said yet
+                assert "no producer of the group is connected" not in caplog.text
+        assert ctx.metrics.child(ctx.metrics.checks_skipped, "PG_gone")._value.get() == 250
+        said = [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
+        assert len(said) == 1, said
+        assert said[0].startswith("50 undecided transactions of producer group PG_gone"), said[0]
+        assert "admin list --group PG_gone" in said[0], said[0]
+        clock.now += 600_000
+        await tx.run_due(clock.now)
+        said = [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
+        assert len(said) == 2, said
+        assert all(p.checks == 0 for p in waiting)      # no check spent meanwhile
+        tx.producer_joined("PG_gone")   # one came, then went again before its checks: an interval before it is said
+        clock.now += 600_001
+        await tx.run_due(clock.now)
+        assert len([r for r in caplog.records if "no producer of the group is connected" in r.getMessage()]) == 2
+    finally:
+        await ctx.store._store.close()
+
+
+def _nobody_said_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no producer of the group is connected" in r.getMessage()]
+
+
+async def _nobody_said_in_passes(tmp_path, caplog, groups: list[str], passes: int, step_ms: int | None = None):
+    """A half of each of ``groups``, none of whose producers is here, checked in ``passes`` passes ``step_ms`` apart
+    (an interval, if not given): (the no-producer lines said, the groups named in them, the service)."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    tx = ctx.tx
+    caplog.set_level(logging.WARNING, logger="txmq")
+    try:
+        clock.now = max([(await add_half(ctx, f"orphan-{g}".encode(), group=g)).next_check for g in groups]) + 1
+        for _ in range(passes):
+            await tx.run_due(clock.now)
+            clock.now += step_ms or tx.policy.check_interval_ms + 1
+    finally:
+        await ctx.store._store.close()
+    said = _nobody_said_of(caplog)
+    return said, {g for g in groups if any(f"producer group {g} came" in line for line in said)}, tx
+
+
+@bounded(60)
+async def test_more_groups_with_no_producer_than_the_table_holds_are_still_said(tmp_path, caplog, monkeypatch):
+    """The groups whose due transactions found nobody are timed in a table of at most _SILENT_KEYS_MAX groups,
+    cleared when full: with one group more than it holds deferred every pass, each pass cleared it on the way round
+    and began every group's interval again, and no group was ever said (hours of passes, no line), the real orphaned
+    group included among a client's made-up ones. Groups with nothing deferred any more go first; a group the table
+    has no room for is said without the interval's grace (the 20 a window still bound the lines)."""
+    import broker.transaction.service as service
+    monkeypatch.setattr(service, "_SILENT_KEYS_MAX", 3)
+    groups = [f"PG_gone_{n}" for n in range(4)]
+    said, named, tx = await _nobody_said_in_passes(tmp_path, caplog, groups, 5)
+    assert named == set(groups), said
+    assert len(tx._nobody_since) <= 3
+
+
+@bounded(60)
+async def test_groups_with_no_producer_past_a_window_s_twenty_are_said_in_a_later_window(tmp_path, caplog):
+    """At most 20 groups with no producer are said a 10-minute window; the 21st waits for the next one. The same 20
+    came first in every pass (due in the same order), each due again as the window turned: they took every window's
+    20 and the 21st was never said, however long it waited. Each said group waits out the next window's others."""
+    groups = [f"PG_gone_{n:02d}" for n in range(21)]
+    said, named, _ = await _nobody_said_in_passes(tmp_path, caplog, groups, 40, 60_000)   # 4 windows
+    assert named == set(groups), sorted(line.split(" came")[0] for line in said)
+    assert len(said) <= 20 * 4, len(said)
 
 
 @bounded(60)
