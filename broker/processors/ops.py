@@ -446,16 +446,18 @@ async def delete_subscription_group(ctx, conn, cmd):
     if remove_offset:
         ctx.offsets.remove_group(group)
     ctx.metrics.forget_consumer_group(group)
-    if group not in ctx.offsets.groups():   # nothing of it left to count: not kept (made-up names)
-        ctx.metrics.deleted_groups.discard(group)
+    # Its offsets kept: the delete is saved with them (mark_deleted), its lag left out across restarts too. A name
+    # holding no offset is not kept (nothing of it left to count: made-up names).
+    kept = ctx.offsets.mark_deleted(group)
     log.warning("subscription group %s deleted by %s (%s%s)", group, _peer(conn),
                 "configured" if existed else "not configured", ", offsets removed" if remove_offset else "")
     reply = await _saved(ctx, cmd, f"subscription group {group} deleted") if existed else cmd.response(
         ResponseCode.SUCCESS)
-    if remove_offset:       # else a kill before the periodic save brought the group's offsets back
+    if remove_offset or kept:   # else a kill before the periodic save brought the group's offsets (or lag) back
         # (paced: a oneway commit then this, in a loop, had the table saved back to back)
-        reply = await offsets_saved(ctx, cmd, f"subscription group {group}'s offsets removed", reply, paced=True,
-                                     max_rest=ADMIN_REST_MAX_S)
+        done = f"subscription group {group}'s offsets removed" if remove_offset else \
+            f"subscription group {group} deleted (its offsets kept)"
+        reply = await offsets_saved(ctx, cmd, done, reply, paced=True, max_rest=ADMIN_REST_MAX_S)
     return reply
 
 

@@ -193,3 +193,38 @@ async def test_a_deleted_group_committing_again_without_a_heartbeat_has_its_lag_
     async with Producer(broker.namesrv, "PG_lag_back") as producer:
         await producer.send("LagBack", b"after")
     assert (await asyncio.to_thread(_scrape, broker))[lag] == 4
+
+
+@bounded(90)
+async def test_a_group_deleted_with_its_offsets_kept_stays_out_of_the_lag_after_a_kill(broker_factory):
+    """A group deleted without removeOffset (mqadmin deleteSubGroup without -r) left the lag only until the broker
+    restarted: the deletes were kept in memory alone, so a restart (a kill -9 too) brought every such group's lag
+    series back from its kept offsets, growing with each send, and a lag alert fired again for groups the
+    operator had deleted. The delete is saved with the offsets before it is answered: still out after a kill -9,
+    its offsets still there (its lag back, from them, once a consumer of it comes again)."""
+    broker = broker_factory()
+    async with Producer(broker.namesrv, "PG_lag_kill") as producer:
+        for i in range(3):
+            await producer.send("LagKill", b"m%d" % i)
+    async with PullConsumer(broker.namesrv, "CG_lag_kill") as consumer:
+        mqs = await consumer.fetch_queues("LagKill")
+        for mq in mqs:
+            await consumer.commit_offset(mq, 0)
+    async with PullConsumer(broker.namesrv, "CG_lag_saver") as consumer:
+        await consumer.commit_offset(mqs[0], 0)
+    lag = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_lag_kill"), ("topic", "LagKill")))
+    assert (await asyncio.to_thread(_scrape, broker))[lag] == 3
+    # another group's offsets removed: answered once the table, CG_lag_kill's offsets in it, is on disk
+    await _delete_group(broker, "CG_lag_saver", True)
+    await _delete_group(broker, "CG_lag_kill", False)
+    assert lag not in await asyncio.to_thread(_scrape, broker)
+    broker.kill()
+
+    broker = broker_factory()       # the same store
+    async with Producer(broker.namesrv, "PG_lag_kill") as producer:
+        await producer.send("LagKill", b"after")
+    m = await asyncio.to_thread(_scrape, broker)
+    assert _group_series(m, "CG_lag_kill") == {}
+    async with PullConsumer(broker.namesrv, "CG_lag_kill") as consumer:     # the group comes again
+        await consumer.subscribe("LagKill")
+        assert (await asyncio.to_thread(_scrape, broker))[lag] == 4

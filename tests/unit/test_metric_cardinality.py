@@ -124,7 +124,7 @@ def test_a_snapshot_encoded_in_slices_reads_back_as_the_snapshot():
         assert "\n" not in line and json.loads(line) == snapshot
 
 
-def test_deleting_made_up_groups_keeps_no_name_and_a_group_holding_offsets_one():
+def test_deleting_made_up_groups_keeps_no_name_and_a_group_holding_offsets_one(tmp_path):
     """deleted_groups holds the groups deleted with their offsets kept (their lag left out until they come back).
     Every deleted name went in, the ones holding no offset (made-up names: any client may delete 100,000 a minute,
     answered SUCCESS) dropped only by a walk of them all. A name holding no offset is not kept at all."""
@@ -132,14 +132,16 @@ def test_deleting_made_up_groups_keeps_no_name_and_a_group_holding_offsets_one()
     import types
 
     from broker.processors.ops import delete_subscription_group
+    from broker.store import ConsumerOffsets
     from protocol.codes import RequestCode
     from protocol.command import RemotingCommand
 
     m = BrokerMetrics()
-    holding = {"CG_real": {"T": [0]}}
+    offsets = ConsumerOffsets(str(tmp_path))
+    offsets.commit("CG_real", "T", 0, 1)
+    m.deleted_groups = offsets.deleted      # as the server has it
     ctx = types.SimpleNamespace(config=types.SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=m,
-                                subscriptions=types.SimpleNamespace(delete=lambda g: False),
-                                offsets=types.SimpleNamespace(groups=holding.keys))
+                                subscriptions=types.SimpleNamespace(delete=lambda g: False), offsets=offsets)
 
     async def deletes():
         for group in [f"CG_made_up{i}" for i in range(1000)] + ["CG_real"]:
