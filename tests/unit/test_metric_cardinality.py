@@ -141,7 +141,9 @@ def test_deleting_made_up_groups_keeps_no_name_and_a_group_holding_offsets_one(t
     offsets.commit("CG_real", "T", 0, 1)
     m.deleted_groups = offsets.deleted      # as the server has it
     ctx = types.SimpleNamespace(config=types.SimpleNamespace(broker_role="ASYNC_MASTER"), metrics=m,
-                                subscriptions=types.SimpleNamespace(delete=lambda g: False), offsets=offsets)
+                                subscriptions=types.SimpleNamespace(delete=lambda g: False), offsets=offsets,
+                                limits=types.SimpleNamespace(warn=lambda reason, line: warned.append(reason)))
+    warned = []
 
     async def deletes():
         for group in [f"CG_made_up{i}" for i in range(1000)] + ["CG_real"]:
@@ -150,3 +152,4 @@ def test_deleting_made_up_groups_keeps_no_name_and_a_group_holding_offsets_one(t
             assert reply.code == 0, reply.remark
     asyncio.run(deletes())
     assert m.deleted_groups == {"CG_real"}
+    assert warned == ["group-delete-nothing"] * 1000      # (Limits.warn says them at most every 10 s)
