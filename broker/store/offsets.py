@@ -305,6 +305,24 @@ class ConsumerOffsets:
         self._changes += 1
         return True
 
+    def kept_deleted(self) -> list[str]:
+        """The groups deleted with their offsets kept that hold offsets still (saved with the table, and listed to
+        slaves with it: GET_ALL_CONSUMER_OFFSET's "deleted"); a name whose offsets went since is not."""
+        topics = self._topics
+        return [group for group in self.deleted if group in topics]
+
+    def take_deleted(self, groups) -> None:
+        """A slave: its master's groups deleted with their offsets kept (GET_ALL_CONSUMER_OFFSET's "deleted"; none
+        from a Java master), in place of its own, saved with its copy. Not copied, a slave promoted (started as the
+        master on its store) exported every such group's lag again, lag alerts firing for groups an operator had
+        deleted. The same set (metrics.deleted_groups is it), changed in place."""
+        named = {group for group in groups if group in self._topics}
+        if named != self.deleted:
+            self.deleted.clear()
+            self.deleted.update(named)
+            self._dirty = True
+            self._changes += 1
+
     def _unlist_forgotten(self, gone) -> None:
         """Forgotten queues of a topic or group removed are no longer listed to slaves at -1, as a Java master's
         cleanOffsetByTopic and removeOffset take the -1 it keeps: listed on, a Java slave (putAll) took the deleted
@@ -652,9 +670,7 @@ class ConsumerOffsets:
         master's; a slave lists none to anyone), the newest line of the first offsets' journal the table holds
         (every one numbered so far: each was committed in memory first), and the deleted groups that hold offsets
         (a name whose offsets went since is not kept)."""
-        topics = self._topics
-        return list(self._forgotten) if self.per_host else [], self._firsts.seq, \
-            [group for group in self.deleted if group in topics]
+        return list(self._forgotten) if self.per_host else [], self._firsts.seq, self.kept_deleted()
 
     def _snapshot(self) -> tuple[dict, dict, list, int]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save
