@@ -267,6 +267,9 @@ class BrokerServer:
         self.starting = "reading the consumer offsets"      # (and their first offsets' journal; then fitted)
         ctx.offsets = ConsumerOffsets(store_dir, persist_interval_s=c.flush_consumer_offset_interval_ms / 1000,
                                       per_host=not slave)   # a slave's are its master's copies: no caps
+        # the groups deleted with their offsets kept, read back with them: a restart that forgot the deletes
+        # brought the deleted groups' lag series (and alerts) back
+        self.metrics.deleted_groups = ctx.offsets.deleted
         ctx.offsets.fit(store.max_offset)       # queues a cut log left shorter than what was committed
         if not slave and ctx.offsets.count() >= c.max_offsets:     # a store from before the limit, or one lowered
             log.warning("the consumer offsets held are %d, at or past max_offsets=%d: all are kept and moved, but "

@@ -116,8 +116,7 @@ class SubscriptionGroups(RetriedSave):
         if self.groups.pop(name, None) is None:
             return False
         self.counter += 1
-        self.timestamp = self.clock()
-        log.info("subscription group %s deleted", name)
+        self.timestamp = self.clock()       # (said by the caller, with who asked: one line a delete)
         return True
 
     def consume_enabled(self, group: str) -> bool:

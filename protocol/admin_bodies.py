@@ -256,9 +256,13 @@ def consumer_offset_entries(keyed) -> str:
     return ",".join(f"{dump(key)}:{{" + ",".join(f"{q}:{o}" for q, o in sorted(rows)) + "}" for key, rows in keyed)
 
 
-def consumer_offsets_body(entries: list[str]) -> bytes:
-    """The body of the offsetTable ``entries`` (consumer_offset_entries' strings, in order; empty ones skipped)."""
-    return ('{"offsetTable":{' + ",".join(e for e in entries if e) + "}}").encode()
+def consumer_offsets_body(entries: list[str], deleted=()) -> bytes:
+    """The body of the offsetTable ``entries`` (consumer_offset_entries' strings, in order; empty ones skipped).
+    ``deleted``: a txmq master's groups deleted with their offsets kept (their lag left out), listed after the
+    table as ``"deleted"`` (a Java slave's fastjson reads past a member it has no field for, as an older txmq
+    slave's offset_table_members does)."""
+    tail = f',"deleted":{json.dumps(sorted(deleted))}' if deleted else ""
+    return ('{"offsetTable":{' + ",".join(e for e in entries if e) + "}" + tail + "}").encode()
 
 
 # A whole string literal (kept as it is: names are the client's text, and one holding ``,5:`` must not be rewritten
@@ -307,16 +311,19 @@ def decode_consumer_offsets(body: bytes) -> dict[tuple[str, str, int], int]:
 
 # decode_consumer_offsets in steps, for a caller that takes them a slice at a time (a slave: 100,000 offsets in one
 # go held its event loop 0.4-1.7 s at each sync): split_at_string_literals, quote_int_keys, then these.
-def offset_table_members(pieces: list[str]):
+def offset_table_members(pieces: list[str], others: dict | None = None):
     """The members of the offsetTable of a GET_ALL_CONSUMER_OFFSET body's ``pieces`` (their ids quoted), as JSON
     reads them: ("<topic>@<group>", {queue id: offset}), one at a time, so a caller takes them a slice at a time.
     Read whole (json.loads), 100,000 offsets held a slave's loop 80-140 ms in one call at each sync. The body's
-    other members are read and left. A body that is not JSON raises HeaderError when the reading reaches the fault
-    (after the members before it: the caller takes nothing until the end)."""
+    other members are read and left (put in ``others`` when given: a txmq master's "deleted"). A body that is not
+    JSON raises HeaderError when the reading reaches the fault (after the members before it: the caller takes
+    nothing until the end)."""
     try:
         for inside, key, value in json_members("".join(pieces), "offsetTable"):
             if inside:
                 yield key, value
+            elif others is not None:
+                others[key] = value
     except _BAD_BODY as exc:
         raise HeaderError(f"consumer offsets body is not usable: {exc}") from None
 

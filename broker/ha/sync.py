@@ -131,14 +131,15 @@ class SlaveSync:
             self._failed("no master broker address yet (it comes from the name server's answer to this "
                          "slave's registration; a slave with no --namesrv-addr never learns it)")
             return False
-        table = await self._master_offsets(addr)
-        if table is None:
+        answer = await self._master_offsets(addr)
+        if answer is None:
             # The master away (or its log not followed): the time until its next answer does not count as its
             # answers' (_forget_groups). Counted, a master killed -9 that missed a new group at its first answer,
             # then stayed away longer than forget_after_s, had the group removed here at its first answer back,
             # before the group's consumers could reach it and commit again.
             self._answered_at = None
             return False
+        table, deleted = answer
         # A Java master keeps any offset a client commits (-1 too); this broker's own commits take none below 0,
         # and a negative one in consumerOffset.json makes the file damaged at the next start (store/saved.py).
         # The master's own transaction progress (its half floor) is not a consumer's: copied, a slave started
@@ -159,6 +160,7 @@ class SlaveSync:
                     continue
                 self.offsets.commit(group, topic, qid, offset)
                 groups.add(group)
+        self.offsets.take_deleted(deleted)     # (its groups deleted with their offsets kept: promoted, as it does)
         if not await self._forget_groups(addr, groups):
             return False
         if self.topics is not None and not await self._sync_topics(addr):
@@ -177,8 +179,10 @@ class SlaveSync:
             self._failing = None
         return True
 
-    async def _master_offsets(self, addr: str) -> dict | None:
-        """The master's GET_ALL_CONSUMER_OFFSET table, {(group, topic, queue id): offset}; None (said) when not had."""
+    async def _master_offsets(self, addr: str) -> tuple[dict, list[str]] | None:
+        """The master's GET_ALL_CONSUMER_OFFSET table, {(group, topic, queue id): offset}, and the groups it names
+        deleted with their offsets kept (a txmq master's "deleted"; none from a Java one); None (said) when not
+        had."""
         if not self.following():
             # A master that lost its store (or another broker behind the address) has none of this slave's topics,
             # groups or offsets: copied, its empty table deleted every topic here, queues and all, while the slave
@@ -198,12 +202,16 @@ class SlaveSync:
             async for part in in_slices(string_literal_pieces(resp.body_bytes().decode("utf-8")), QUOTE_SLICE):
                 pieces += [quote_int_keys(p) if i % 2 == 0 else p for i, p in enumerate(part)]
             table: dict = {}
-            async for part in in_slices(offset_table_members(pieces), KEY_SLICE):
+            others: dict = {}
+            async for part in in_slices(offset_table_members(pieces, others), KEY_SLICE):
                 add_offset_entries(part, table)
+            deleted = others.get("deleted", [])
+            if not isinstance(deleted, list) or not all(isinstance(group, str) for group in deleted):
+                raise ValueError(f"its deleted groups are not a list of names: {str(deleted)[:200]}")
         except Exception as exc:  # noqa: BLE001 - the master away, a bad body: said once, tried next interval
             self._failed(f"consumer offsets not copied from master {addr}: {exc}")
             return None
-        return table
+        return table, deleted
 
     async def _forget_groups(self, addr: str, groups: set[str]) -> bool:
         """Remove the offsets of the groups the master's earlier copies named and its answers have missed since at

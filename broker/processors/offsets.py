@@ -202,7 +202,8 @@ async def get_all_consumer_offset(ctx, conn, cmd):
     entries = []
     async for part in in_slices(sorted(by_key.items()), KEY_SLICE):
         entries.append(consumer_offset_entries(part))
-    return cmd.response(ResponseCode.SUCCESS, body=consumer_offsets_body(entries))
+    # (the groups deleted with their offsets kept: a slave promoted leaves their lag out as this master does)
+    return cmd.response(ResponseCode.SUCCESS, body=consumer_offsets_body(entries, ctx.offsets.kept_deleted()))
 
 
 OFFSET_SLICE = 4096

@@ -25,7 +25,12 @@ A master's queues whose offset was forgotten (``forget``), listed to slaves at -
 
     {"offsetTable": {...}, "forgotten": [["<topic>", "<group>", <queueId>], ...]}
 
-so a restart does not bring a forgotten offset back on a slave that had not copied the -1 yet. Once a consumer's
+so a restart does not bring a forgotten offset back on a slave that had not copied the -1 yet. The groups deleted
+(DELETE_SUBSCRIPTIONGROUP) with their offsets kept, whose lag is left out until they come again, are saved with it,
+
+    {"offsetTable": {...}, "deleted": ["<group>", ...]}
+
+else a restart forgot the deletes and brought their lag series back (an alert on a group an operator removed). Once a consumer's
 first offset of a queue has been written to the first offsets' journal (offset_journal.py), on a slave too, the
 wrapper says the newest line of it the table holds, ``"firsts": <seq>``: a start reads only the lines after it.
 """
@@ -111,6 +116,9 @@ class ConsumerOffsets:
         # _topics: QUERY_TOPIC_CONSUME_BY_WHO walked every offset, and topicList -c and statsAll ask every topic.
         self._groups: dict[str, set[str]] = {}
         self._forgotten: dict[tuple[str, str, int], None] = {}     # oldest first: FORGOTTEN_KEPT
+        # Groups deleted with their offsets kept (metrics.deleted_groups is this set: their lag left out until they
+        # come again), saved with the table ("deleted"), the names holding an offset at the save.
+        self.deleted: set[str] = set()
         # A consumer's first offsets of queues, each on disk before its answer (commit_first) without a whole save
         self._firsts = FirstsJournal(self.path)
         self._dirty = False
@@ -170,6 +178,8 @@ class ConsumerOffsets:
         # taken off the table, not left on it as a second copy for good (on a slave, the only one, never read)
         makers, table.makers = table.makers, {}
         forgotten, table.forgotten = table.forgotten, []
+        deleted, table.deleted = table.deleted, []
+        self.deleted.update(group for group in deleted if group in self._topics)
         if self.per_host:
             self._forgotten = dict.fromkeys(forgotten[-FORGOTTEN_KEPT:])
             self._maker = makers
@@ -283,6 +293,35 @@ class ConsumerOffsets:
     def remove_topic(self, topic: str) -> None:
         self._remove([(g, topic, q) for g in self._groups.get(topic, ()) for q in self._topics[g][topic]])
         self._unlist_forgotten(lambda key: key[1] == topic)
+
+    def mark_deleted(self, group: str) -> bool:
+        """``group`` deleted with its offsets kept: its lag left out until it comes again, across restarts (saved
+        with the table; ``saved`` writes it). False when it holds no offset (nothing kept to leave out)."""
+        if group not in self._topics:
+            self.deleted.discard(group)
+            return False
+        self.deleted.add(group)
+        self._dirty = True
+        self._changes += 1
+        return True
+
+    def kept_deleted(self) -> list[str]:
+        """The groups deleted with their offsets kept that hold offsets still (saved with the table, and listed to
+        slaves with it: GET_ALL_CONSUMER_OFFSET's "deleted"); a name whose offsets went since is not."""
+        topics = self._topics
+        return [group for group in self.deleted if group in topics]
+
+    def take_deleted(self, groups) -> None:
+        """A slave: its master's groups deleted with their offsets kept (GET_ALL_CONSUMER_OFFSET's "deleted"; none
+        from a Java master), in place of its own, saved with its copy. Not copied, a slave promoted (started as the
+        master on its store) exported every such group's lag again, lag alerts firing for groups an operator had
+        deleted. The same set (metrics.deleted_groups is it), changed in place."""
+        named = {group for group in groups if group in self._topics}
+        if named != self.deleted:
+            self.deleted.clear()
+            self.deleted.update(named)
+            self._dirty = True
+            self._changes += 1
 
     def _unlist_forgotten(self, gone) -> None:
         """Forgotten queues of a topic or group removed are no longer listed to slaves at -1, as a Java master's
@@ -626,11 +665,12 @@ class ConsumerOffsets:
         self._save_worked()
         self._wrote()
 
-    def _extras(self) -> tuple[list[tuple[str, str, int]], int]:
+    def _extras(self) -> tuple[list[tuple[str, str, int]], int, list[str]]:
         """What a save holds besides the table and its makers: the forgotten queues (a copy, oldest first: a
-        master's; a slave lists none to anyone), and the newest line of the first offsets' journal the table holds
-        (every one numbered so far: each was committed in memory first)."""
-        return list(self._forgotten) if self.per_host else [], self._firsts.seq
+        master's; a slave lists none to anyone), the newest line of the first offsets' journal the table holds
+        (every one numbered so far: each was committed in memory first), and the deleted groups that hold offsets
+        (a name whose offsets went since is not kept)."""
+        return list(self._forgotten) if self.per_host else [], self._firsts.seq, self.kept_deleted()
 
     def _snapshot(self) -> tuple[dict, dict, list, int]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save
@@ -697,14 +737,14 @@ class ConsumerOffsets:
         save(self.path, data)       # the table being replaced becomes the previous copy (see _load)
 
 
-def _encode(table: dict, maker: dict, forgotten=(), firsts: int = 0) -> bytes:
+def _encode(table: dict, maker: dict, forgotten=(), firsts: int = 0, deleted=()) -> bytes:
     # Not sorted first: sort_keys orders every level as written anyway, and sorting the whole table (100,000
     # (group, topic, queue) keys: 40-100 ms) is one C call that holds the GIL, the loop stopped for all of it
     # though this runs on a thread.
     out: dict[str, dict[str, int]] = {}
     for (group, topic, qid), offset in table.items():
         out.setdefault(f"{topic}@{group}", {})[str(qid)] = offset
-    if not maker and not forgotten and not firsts:  # nothing to say (RocketMQ's plain table)
+    if not maker and not forgotten and not firsts and not deleted:  # nothing to say (RocketMQ's plain table)
         return json.dumps(out, indent=1, sort_keys=True).encode()
     makers: dict[str, dict[str, list[int]]] = {}
     for (group, topic, qid), client in maker.items():      # (keys sorted by dumps; queue ids as made)
@@ -714,6 +754,8 @@ def _encode(table: dict, maker: dict, forgotten=(), firsts: int = 0) -> bytes:
         wrapper["forgotten"] = [[topic, group, qid] for group, topic, qid in forgotten]
     if firsts:
         wrapper["firsts"] = firsts
+    if deleted:
+        wrapper["deleted"] = sorted(deleted)
     return json.dumps(wrapper, indent=1, sort_keys=True).encode()
 
 
@@ -727,6 +769,7 @@ class _Table(dict):
         self.makers: dict[tuple[str, str, int], str] = {}
         self.forgotten: list[tuple[str, str, int]] = []
         self.firsts = 0
+        self.deleted: list[str] = []
 
 
 def _parse_table(raw) -> _Table:
@@ -735,13 +778,16 @@ def _parse_table(raw) -> _Table:
     One bad entry makes the whole file suspect (a hand or a disk changed it): skipping just that entry would
     start its group over on those queues without a word."""
     check(isinstance(raw, dict), "not a JSON object")
-    makers, forgotten, firsts = {}, [], 0
+    makers, forgotten, firsts, deleted = {}, [], 0, []
     if isinstance(raw.get("offsetTable"), dict):    # RocketMQ's wrapper, as ops/spark/expiry.py reads it too
         makers, forgotten, firsts = raw.get("makers", {}), raw.get("forgotten", []), raw.get("firsts", 0)
+        deleted = raw.get("deleted", [])
         raw = raw["offsetTable"]
     check(is_int(firsts) and firsts >= 0, f"firsts = {firsts!r}")
+    check(isinstance(deleted, list) and all(isinstance(g, str) for g in deleted), f"deleted = {deleted!r}")
     table = _Table()
     table.firsts = firsts
+    table.deleted = deleted
     for key, queues in raw.items():
         # (a group name may hold "@", even end in it -- names are not checked: "T@odd@" is group "odd@" of T;
         # refused, one client's name sent every start to the older copy)

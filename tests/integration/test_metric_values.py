@@ -169,6 +169,18 @@ async def test_a_deleted_group_leaves_every_family_of_the_scrape_until_it_comes_
     assert (lag in m) is not remove_offset
 
 
+async def _three_sent_none_read(broker, topic: str, group: str) -> list:
+    """Three messages sent to ``topic``, ``group`` committed at 0 on each of its queues (a lag of 3); the queues."""
+    async with Producer(broker.namesrv, "PG_" + group) as producer:
+        for i in range(3):
+            await producer.send(topic, b"m%d" % i)
+    async with PullConsumer(broker.namesrv, group) as consumer:
+        mqs = await consumer.fetch_queues(topic)
+        for mq in mqs:
+            await consumer.commit_offset(mq, 0)
+    return mqs
+
+
 @bounded(60)
 async def test_a_deleted_group_committing_again_without_a_heartbeat_has_its_lag_back(broker_factory):
     """A group deleted with its offsets kept stayed out of the lag until a consumer of it connected or
@@ -176,13 +188,7 @@ async def test_a_deleted_group_committing_again_without_a_heartbeat_has_its_lag_
     the delete, when its lag was exported) had its lag hidden for as long as the broker ran, growing unseen. A
     commit of the group is it in use again: its lag is back from the next scrape."""
     broker = broker_factory()
-    async with Producer(broker.namesrv, "PG_lag_back") as producer:
-        for i in range(3):
-            await producer.send("LagBack", b"m%d" % i)
-    async with PullConsumer(broker.namesrv, "CG_lag_back") as consumer:
-        mqs = await consumer.fetch_queues("LagBack")
-        for mq in mqs:
-            await consumer.commit_offset(mq, 0)
+    mqs = await _three_sent_none_read(broker, "LagBack", "CG_lag_back")
     lag = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_lag_back"), ("topic", "LagBack")))
     assert (await asyncio.to_thread(_scrape, broker))[lag] == 3
     await _delete_group(broker, "CG_lag_back", False)
@@ -190,6 +196,35 @@ async def test_a_deleted_group_committing_again_without_a_heartbeat_has_its_lag_
     async with PullConsumer(broker.namesrv, "CG_lag_back") as consumer:     # commits again, no heartbeat
         for mq in mqs:
             await consumer.commit_offset(mq, 0)
-    async with Producer(broker.namesrv, "PG_lag_back") as producer:
+    async with Producer(broker.namesrv, "PG_CG_lag_back") as producer:
         await producer.send("LagBack", b"after")
     assert (await asyncio.to_thread(_scrape, broker))[lag] == 4
+
+
+@bounded(90)
+async def test_a_group_deleted_with_its_offsets_kept_stays_out_of_the_lag_after_a_kill(broker_factory):
+    """A group deleted without removeOffset (mqadmin deleteSubGroup without -r) left the lag only until the broker
+    restarted: the deletes were kept in memory alone, so a restart (a kill -9 too) brought every such group's lag
+    series back from its kept offsets, growing with each send, and a lag alert fired again for groups the
+    operator had deleted. The delete is saved with the offsets before it is answered: still out after a kill -9,
+    its offsets still there (its lag back, from them, once a consumer of it comes again)."""
+    broker = broker_factory()
+    mqs = await _three_sent_none_read(broker, "LagKill", "CG_lag_kill")
+    async with PullConsumer(broker.namesrv, "CG_lag_saver") as consumer:
+        await consumer.commit_offset(mqs[0], 0)
+    lag = ("rocketmq_consumer_lag_messages", (("consumer_group", "CG_lag_kill"), ("topic", "LagKill")))
+    assert (await asyncio.to_thread(_scrape, broker))[lag] == 3
+    # another group's offsets removed: answered once the table, CG_lag_kill's offsets in it, is on disk
+    await _delete_group(broker, "CG_lag_saver", True)
+    await _delete_group(broker, "CG_lag_kill", False)
+    assert lag not in await asyncio.to_thread(_scrape, broker)
+    broker.kill()
+
+    broker = broker_factory()       # the same store
+    async with Producer(broker.namesrv, "PG_CG_lag_kill") as producer:
+        await producer.send("LagKill", b"after")
+    m = await asyncio.to_thread(_scrape, broker)
+    assert _group_series(m, "CG_lag_kill") == {}
+    async with PullConsumer(broker.namesrv, "CG_lag_kill") as consumer:     # the group comes again
+        await consumer.subscribe("LagKill")
+        assert (await asyncio.to_thread(_scrape, broker))[lag] == 4

@@ -890,3 +890,25 @@ async def test_a_pull_consumers_first_commits_over_many_queues_are_no_table_save
                                                           "queueId": q}) for q in range(32)]
     assert [(r.code, r.int_field("offset")) for r in stored] == [(ResponseCode.SUCCESS, 1)] * 32
     assert _on_disk(b, "G7", "Other") == {q: 0 for q in range(100)}
+
+
+@bounded(60)
+async def test_deleting_groups_that_hold_nothing_in_a_loop_is_not_a_log_line_each(broker_factory):
+    """Every DELETE_SUBSCRIPTIONGROUP was a WARNING line, whatever it removed: a clean-up of 1,000 groups was 1,000
+    WARNING lines, and any client looping over made-up names (answered SUCCESS, nothing removed) wrote the log
+    without bound. A delete that removes something is said at INFO, as RocketMQ's and as an update; one that finds
+    nothing at most every 10 s, as a WARNING naming it."""
+    b = broker_factory()
+    resp = await _request(b, R.UPDATE_AND_CREATE_SUBSCRIPTIONGROUP, body=json.dumps({"groupName": "CG_real"}).encode())
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    for i in range(40):
+        resp = await _request(b, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": f"CG_nothing{i}", "removeOffset": "true"})
+        assert resp.code == ResponseCode.SUCCESS, resp.remark
+    resp = await _request(b, R.DELETE_SUBSCRIPTIONGROUP, {"groupName": "CG_real", "removeOffset": "true"})
+    assert resp.code == ResponseCode.SUCCESS, resp.remark
+    assert b.stop() == 0        # (the log flushed)
+    lines = b.log_path.read_text(errors="replace").splitlines()
+    nothing = [line for line in lines if "CG_nothing" in line]
+    assert len(nothing) == 1 and "WARNING" in nothing[0] and "nothing removed" in nothing[0]
+    real = [line for line in lines if "subscription group CG_real deleted" in line]
+    assert len(real) == 1 and "INFO" in real[0]

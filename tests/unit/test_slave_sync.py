@@ -380,7 +380,8 @@ async def test_the_masters_offsets_body_is_encoded_with_the_loop_running_between
     """In one go, 100,000 offsets held the master's event loop 100-190 ms at every slave's sync (each 10 s)."""
     from broker.processors.offsets import KEY_SLICE, OFFSET_SLICE, get_all_consumer_offset
     table = [((f"G{i // 96}", f"T{i % 7}", i % 16), i) for i in range(3 * OFFSET_SLICE + 5)]
-    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table), forgotten=list))
+    ctx = types.SimpleNamespace(offsets=types.SimpleNamespace(items=lambda: list(table), forgotten=list,
+                                                              kept_deleted=list))
     async with other_client() as turns:
         reply = await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
     assert reply.body_bytes() == encode_consumer_offsets(table)
@@ -1056,3 +1057,51 @@ async def test_a_negative_offset_on_the_master_forgets_the_slaves_copy_as_a_java
     assert offsets.get("CG", "Orders", 0) is None and offsets.get("CG", "Orders", 1) == 7
     offsets.persist()
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]
+
+
+@bounded(10)
+async def test_a_slave_promoted_knows_the_groups_its_master_deleted_with_their_offsets_kept(tmp_path):
+    """A group deleted on the master without -r (its offsets kept) is named deleted in the master's
+    consumerOffset.json, its lag left out across the master's restarts. The slave copied the offsets alone
+    (GET_ALL_CONSUMER_OFFSET): promoted (started as the master on its store), it exported every such group's lag
+    again from the kept offsets, growing with each send -- the lag alerts of groups an operator had deleted firing
+    again after a failover. The master lists them in its answer ("deleted", which a Java slave reads past), the
+    slave keeps them with its copy; a group the master counts again is no longer named."""
+    from broker.processors.offsets import get_all_consumer_offset
+
+    master = ConsumerOffsets(str(tmp_path / "master"))
+    master.commit("CG_deleted", "Orders", 0, 5)
+    master.commit("CG_live", "Orders", 0, 7)
+    assert master.mark_deleted("CG_deleted")
+    ctx = types.SimpleNamespace(offsets=master)
+    body = (await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
+            ).body_bytes()
+    assert decode_consumer_offsets(body) == {("CG_deleted", "Orders", 0): 5, ("CG_live", "Orders", 0): 7}
+    assert body.endswith(b',"deleted":["CG_deleted"]}')
+    slave_dir = str(tmp_path / "slave")
+    slave = ConsumerOffsets(slave_dir, per_host=False)
+    await _synced_once(slave, body)
+    slave.persist()
+    assert ConsumerOffsets(slave_dir).deleted == {"CG_deleted"}     # promoted: started as a master on it
+    master.deleted.discard("CG_deleted")                              # its consumer came back (metrics.group_in_use)
+    body = (await get_all_consumer_offset(ctx, None, RemotingCommand.request(RequestCode.GET_ALL_CONSUMER_OFFSET))
+            ).body_bytes()
+    assert body == encode_consumer_offsets(master.items())            # (none deleted: the plain body, as before)
+    await _synced_once(slave, body)
+    slave.persist()
+    assert ConsumerOffsets(slave_dir).deleted == set()
+
+
+@bounded(10)
+async def test_a_masters_deleted_groups_that_are_not_names_copy_nothing_and_say_so(tmp_path, caplog):
+    """A "deleted" that is not a list of names is a body not understood: nothing of it copied, said."""
+    offsets = ConsumerOffsets(str(tmp_path), per_host=False)
+    sync = _following("127.0.0.1:10911", offsets)
+    _offsets_answers(sync, [b'{"offsetTable":{"Orders@CG":{0:5}},"deleted":"CG"}'])
+    try:
+        assert not await sync.sync_once()
+    finally:
+        await sync.close()
+    assert offsets.get("CG", "Orders", 0) is None and offsets.deleted == set()
+    assert "consumer offsets not copied from master 127.0.0.1:10911" in caplog.text
+    assert "its deleted groups are not a list of names" in caplog.text

@@ -1147,6 +1147,38 @@ def test_malformed_forgotten_queues_make_the_file_damaged(forgotten):
         _parse_table({"offsetTable": {"T@g": {"0": 5}}, "forgotten": forgotten})
 
 
+@bounded(10)
+async def test_groups_deleted_with_their_offsets_kept_are_saved_with_the_table(tmp_path):
+    """The groups deleted with their offsets kept (their lag left out until they come again) were held in memory
+    only: a restart brought their lag back. Saved with the table now, ``saved`` writing a delete alone; a name
+    holding no offset is not kept, nor one whose offsets went since (a topic deleted); a slave's too."""
+    offsets = ConsumerOffsets(str(tmp_path), persist_interval_s=3600)
+    await offsets.open()
+    for group, topic in (("A", "T"), ("B", "GONE"), ("C", "T")):
+        offsets.commit(group, topic, 0, 5)
+    await offsets.saved()
+    assert offsets.mark_deleted("A") and offsets.mark_deleted("B") and not offsets.mark_deleted("made-up")
+    await offsets.saved()           # nothing else changed: the deletes alone are written
+    assert ConsumerOffsets(str(tmp_path)).deleted == {"A", "B"}
+    offsets.remove_topic("GONE")
+    await offsets.close()
+    raw = json.loads((tmp_path / "config" / "consumerOffset.json").read_text())
+    assert raw["deleted"] == ["A"] and raw["offsetTable"]["T@A"] == {"0": 5}
+    assert ConsumerOffsets(str(tmp_path)).deleted == {"A"}
+    slave = ConsumerOffsets(str(tmp_path / "slave"), per_host=False)
+    slave.commit("A", "T", 0, 5)
+    slave.mark_deleted("A")
+    slave.persist()
+    assert ConsumerOffsets(str(tmp_path / "slave"), per_host=False).deleted == {"A"}
+
+
+@pytest.mark.parametrize("deleted", [{}, "A", [1], [["A"]]])
+def test_malformed_deleted_groups_make_the_file_damaged(deleted):
+    from broker.store.offsets import _parse_table
+    with pytest.raises(ValueError):
+        _parse_table({"offsetTable": {"T@g": {"0": 5}}, "deleted": deleted})
+
+
 def _journal_lines(tmp_path) -> list:
     path = tmp_path / "config" / "consumerOffset.json.firsts"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
