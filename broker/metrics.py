@@ -259,6 +259,11 @@ class BrokerMetrics:
         self.segments_removed = Counter("txmq_store_segments_removed_total",
                                         "Commit-log segments removed, by reason (expired, plan, pressure).",
                                         ["reason"], registry=r)
+        self.segment_removals_failed = Counter(
+            "txmq_store_segment_removals_failed_total", "Commit-log segment removals (by retention) that failed on a "
+            "file the file system would not unlink, by what (segment: the segment is kept and readable, tried again "
+            "each pass; queue-file: the segment went, a consume-queue file of it stayed until the next start) and "
+            "errno (EACCES, EPERM, EIO, ...). Said once per failure run at ERROR.", ["what", "errno"], registry=r)
         self.tail_cuts = Counter("txmq_store_tail_truncations_total",
                                  "Commit-log cuts made at start-up: a torn tail (a record a crash left incomplete: "
                                  "failing its body CRC, or its topic or properties zero-filled), or with "

@@ -69,12 +69,13 @@ class ConsumeQueue:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, directory: str, topic: str, queue_id: int, file_size: int,
-             durable_below: int | None = None) -> "ConsumeQueue":
+             durable_below: int | None = None, log_start: int | None = None) -> "ConsumeQueue":
         """Open a queue's files. ``durable_below`` is the checkpoint's commit-log offset: an older file whose
         last unit names a record below it was flushed whole before that checkpoint, so a crash cannot have
         left a hole in it and it is not read through (start-up must not grow with the history kept); the
         others, and every file when there is no checkpoint, are searched for zeroed units (lost pages).
-        Damage outside the crash model (a disk, a hand) is found when a read meets it (``mark_damaged``)."""
+        Damage outside the crash model (a disk, a hand) is found when a read meets it (``mark_damaged``).
+        ``log_start``: the commit log's first segment's offset (files wholly below it are a removal's leftovers)."""
         cq = cls(directory, topic, queue_id, file_size)
         names = os.listdir(directory)
         if DAMAGE_MARK in names:
@@ -84,9 +85,16 @@ class ConsumeQueue:
         # the older files go and recovery rebuilds the queue from the log.
         for i in range(len(starts) - 1, 0, -1):
             if starts[i] - starts[i - 1] != file_size:
-                cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
-                for start in starts[:i]:
-                    os.unlink(os.path.join(directory, f"{start:020d}"))
+                older = [os.path.join(directory, f"{start:020d}") for start in starts[:i]]
+                if _wholly_below(older[-1], file_size, log_start):
+                    # A segment removal's leftovers (a file it could not unlink, EACCES or EIO, the later
+                    # removals' files gone): nothing lost. Taken for a gap, the queue was rebuilt from the log (and
+                    # the leftovers' unlink, refused again, failed the start).
+                    _remove_leftovers(older, topic, queue_id)
+                else:
+                    cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
+                    for path in older:
+                        os.unlink(path)
                 starts = starts[i:]
                 break
         for start in starts:
@@ -574,3 +582,29 @@ def make_first_file(directory: str, file_size: int) -> tuple[MappedFile, list[st
     mf = MappedFile.create(directory, 0, file_size, reserve=RESERVE_CHUNK, durable_name=False)
     mf.mm[0:1] = b"\0"
     return mf, dirs
+
+
+def _wholly_below(path: str, file_size: int, log_start: int | None) -> bool:
+    """Whether the full queue file at ``path`` ends with a unit of a record below ``log_start`` (every unit in it
+    then is: a queue's units go up the log)."""
+    if log_start is None:
+        return False
+    with open(path, "rb") as f:
+        last = os.pread(f.fileno(), UNIT_SIZE, file_size - UNIT_SIZE)
+    if len(last) < UNIT_SIZE:
+        return False
+    phys, size, _tag = UNIT.unpack(last)
+    return size > 0 and 0 <= phys < log_start     # (a zeroed unit is damage: it is not dated)
+
+
+def _remove_leftovers(paths: list[str], topic: str, queue_id: int) -> None:
+    """Unlink a queue's files wholly below the log's start; said when one cannot be (the next start tries again)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("consume queue %s-%d: a file below the log's start, left by a segment removal, could not be "
+                        "removed: %s; nothing is read from it: make it removable (ls -l, lsattr; chattr -i) or see "
+                        "dmesg (EIO); the next start tries again", topic, queue_id, exc)

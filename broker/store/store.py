@@ -36,7 +36,7 @@ from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
                        read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
                        write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name, remove_files
 from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
@@ -83,6 +83,7 @@ class MessageStore:
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
+        self.queue_files_left: list[OSError] = []    # the last remove_segment's: a queue's files it could not unlink
         self._landed_listeners: list[Callable[[str, int, int], None]] = []   # see add_landed_listener
         # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
         # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
@@ -429,6 +430,7 @@ class MessageStore:
 
     def _load_queues(self, durable_below: int | None) -> None:
         size = self.config.cq_file_size
+        log_start = self._first_segment_start()
         began = time.monotonic()
         topics = sorted(os.listdir(self._cq_root))
         progress = Progress("loading consume queues", len(topics), "topics")
@@ -442,7 +444,8 @@ class MessageStore:
                 self._deleted[topic] = below
             for qid in sorted(os.listdir(tdir)):
                 if qid.isdigit():
-                    cq = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size, durable_below)
+                    cq = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size, durable_below,
+                                           log_start)
                     if below is not None and _left_by_delete(cq, below):
                         # a kill cut the delete short (mark written, queue files not all removed yet)
                         log.warning("consume queue %s-%s of the topic deleted at log offset %d: removed", topic,
@@ -913,7 +916,9 @@ class MessageStore:
             await self._io.submit(os.unlink, self._log.segments[0].path)
             new = await self._reserve_io.submit(self._log.make_segment, start)
             old = self._log.rebase(new)
-            await self._io.submit(_remove_files, [old])
+            failed = await self._io.submit(remove_files, [old])
+            if failed is not None:
+                raise failed
 
         await self._writer.control(op)
         log.warning("empty store: the log now starts at offset %d, where the master's does", start)
@@ -1495,10 +1500,11 @@ class MessageStore:
             # next pass took the next segment the same way (the whole log but the active segment, one a pass)
             # (one already gone, an operator's rm to free space, is removed as MappedFile.remove always let it be)
             await self._io.submit(_unlink_if_there, segs[0].path)
-            dead = [clog.release_oldest()]
-            for cq in self._cqs.values():
-                dead += cq.expire_before(clog.min_offset)
-            await self._io.submit(_remove_files, dead)
+            dead = [[clog.release_oldest()]] + [cq.expire_before(clog.min_offset) for cq in self._cqs.values()]
+            # A queue file that cannot be unlinked (an immutable directory, EIO) is out of its queue already: the
+            # removal goes on (its queue's minimum is past it; the next start removes it). Raised, it left the
+            # message index, the manifest, the log line and the count undone, the files after it mapped.
+            self.queue_files_left = await self._io.submit(_remove_runs, [run for run in dead if run])
             await self._forget_kept_before(clog.min_offset)
             # Deleted topics' marks hiding nothing now go too: kept until a restart, a broker that ran for months
             # kept a directory and a file for every topic ever deleted (and its next start read them all).
@@ -1648,9 +1654,9 @@ def _unlink_if_there(path: str) -> None:
         os.unlink(path)
 
 
-def _remove_files(files) -> None:
-    for mf in files:
-        mf.remove()
+def _remove_runs(runs) -> list[OSError]:
+    """remove_files of each run (a queue's files); the errors of those that could not all be unlinked."""
+    return [exc for exc in map(remove_files, runs) if exc is not None]
 
 
 def _summarize(seg: Segment) -> None:

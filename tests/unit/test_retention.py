@@ -43,10 +43,10 @@ SEG = 64 * 1024
 BODY = b"m" * 900          # ~1 KiB records: ~60 a segment
 
 
-async def make(tmp_path, clock, **cfg):
+async def make(tmp_path, clock, store_config=None, **cfg):
     config = BrokerConfig(store_dir=str(tmp_path), transaction_check_interval_ms=1000,
                           transaction_timeout_ms=1000, **cfg)
-    store = MessageStore(str(tmp_path / "s"), StoreConfig(segment_size=SEG), clock=clock)
+    store = MessageStore(str(tmp_path / "s"), store_config or StoreConfig(segment_size=SEG), clock=clock)
     topics = TopicManager(str(tmp_path / "config"), auto_create=True, default_queue_nums=4, cluster="c", broker="b")
     ctx = BrokerContext(config, store, None, topics, ClientRegistry(clock), BrokerMetrics(), clock=clock)
     ctx.set_address("127.0.0.1", 10911)
@@ -1412,13 +1412,8 @@ async def test_a_segment_whose_file_cannot_be_unlinked_stays_in_the_running_log(
     segment that cannot be is kept, readable, and the pass says so."""
     ctx, _clock, _half, old, _fresh = world
     store = ctx.store
-    real_unlink, log_dir = os.unlink, os.path.realpath(store._log.directory)
-
-    def unlink(path, *a, **k):
-        if os.path.realpath(os.path.dirname(os.fspath(path))) == log_dir:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_unlink(path, *a, **k)
-    monkeypatch.setattr(os, "unlink", unlink)
+    log_dir = os.path.realpath(store._log.directory)
+    _segment_unlinks_fail(monkeypatch, store, errno.EACCES)
     r = Retention(ctx, usage=lambda: 0.9)
     before, start = names(ctx), store.min_physical_offset
     assert len(before) >= 3, before
@@ -1427,7 +1422,114 @@ async def test_a_segment_whose_file_cannot_be_unlinked_stays_in_the_running_log(
             await r.clean_once()
     assert names(ctx) == before and store.min_physical_offset == start
     assert readable(ctx, old) == len(old)
-    monkeypatch.setattr(os, "unlink", real_unlink)                 # repaired
+    monkeypatch.undo()                                             # repaired
     removed = await r.clean_once()
     assert removed and removed[0][0] == before[0], removed
     assert not os.path.exists(os.path.join(log_dir, before[0]))
+
+
+def _segment_unlinks_fail(monkeypatch, store, code: int, after: int = 0) -> None:
+    """Has unlinking a file of the store's commit-log directory fail with ``code`` (EACCES: an immutable file, the
+    directory's permissions; EIO), once ``after`` of them went."""
+    real_unlink, log_dir = os.unlink, os.path.realpath(store._log.directory)
+    went = []
+
+    def unlink(path, *a, **k):
+        if (os.path.realpath(os.path.dirname(os.fspath(path))) == log_dir and path not in went
+                and len(went) >= after):
+            raise OSError(code, os.strerror(code), path)
+        went.append(path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+
+
+@bounded(30)
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EIO])
+async def test_a_segment_that_cannot_be_unlinked_is_said_once_per_failure_run_and_counted(world, monkeypatch, caplog,
+                                                                                         code):
+    """A segment file the file system would not unlink (EACCES, EIO) is kept, readable; the error was raised out of
+    the pass, and the cleaner's loop logged "disk pressure check failed" at ERROR every disk_clean_interval_s (5 s)
+    for as long as it lasted, counted nowhere. Now each failed pass is counted, the failure said once with what to
+    do, and said again after a removal succeeded."""
+    ctx, *_ = world
+    store = ctx.store
+    _segment_unlinks_fail(monkeypatch, store, code)
+    r = Retention(ctx, usage=lambda: 0.9)
+    before = names(ctx)
+    for _ in range(4):
+        assert await r.clean_once() == []
+    assert names(ctx) == before
+    failed = ctx.metrics.segment_removals_failed.labels("segment", errno.errorcode[code])._value.get()
+    assert failed == 4
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and before[0] in errors[0] and "kept, readable" in errors[0], errors
+    assert ("dmesg" if code == errno.EIO else "chattr -i") in errors[0], errors
+    assert sum("removing segment" in rec.getMessage() for rec in caplog.records) == 1, caplog.text
+    monkeypatch.undo()              # repaired, and failing again after one more went: a new run, said again
+    _segment_unlinks_fail(monkeypatch, store, code, after=1)
+    assert await r.clean_once() == [(before[0], "expired")]
+    assert names(ctx) == before[1:]
+    assert sum(rec.levelname == "ERROR" for rec in caplog.records) == 2, caplog.text
+
+
+@bounded(30)
+async def test_a_queue_file_that_cannot_be_unlinked_leaves_the_removal_whole_and_the_next_start_working(tmp_path,
+                                                                                                        monkeypatch,
+                                                                                                        caplog):
+    """A segment removal whose first consume-queue file could not be unlinked (EACCES: an immutable queue directory;
+    EIO) raised out of the middle of it: the segment was gone and the queue's minimum past it, but the queue files
+    after that one stayed on disk and mapped, the message index was not told, the removal not counted nor said, and
+    the pass's ERROR said "disk pressure check failed" only. At the next start the same file, still there, raised out
+    of recovery: the broker did not start. Now the removal completes (the file closed and counted, said once) and a
+    start passes over a file it cannot remove, said."""
+    clock = Clock(T0 - 80 * H)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
+    ctx = await make(tmp_path, clock, cfg)
+    old = await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 20)
+    store = ctx.store
+    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
+    first = sorted(os.listdir(queue_dir))[0]
+    real_unlink, refused = os.unlink, []
+
+    def unlink(path, *a, **k):
+        if os.path.basename(os.fspath(path)) == first and os.path.dirname(os.fspath(path)) == queue_dir:
+            refused.append(path)
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    r = Retention(ctx, usage=lambda: 0.8)
+    before = names(ctx)
+    removed = await r.clean_once()
+    assert [n for n, _ in removed] == [n for n in before[:-1]][:len(removed)] and removed, removed
+    assert refused and os.path.exists(os.path.join(queue_dir, first))
+    in_first = [r_ for r_ in old if r_.physical_offset < SEG]
+    kept_files = len(os.listdir(queue_dir)) - len(store._cqs[("Flow", 0)].files)
+    assert kept_files >= 1, kept_files         # the refused one and its later ones: no gap on disk
+    low = store.min_offset("Flow", 0)
+    assert low >= len(in_first)
+    got = store.get_messages("Flow", 0, low, 4, 1 << 20)
+    assert got.status == GetStatus.FOUND, got.status
+    assert ctx.metrics.segment_removals_failed.labels("queue-file", "EACCES")._value.get() == 1
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and "consume-queue file" in errors[0] and "chattr -i" in errors[0], errors
+    assert sum("removed segment" in rec.getMessage() for rec in caplog.records) == len(removed), caplog.text
+    await store.close()
+
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)     # the file still cannot go
+    await reopened.open()
+    try:
+        assert reopened.min_offset("Flow", 0) == low and reopened.report.queues_rebuilt == []
+        assert os.path.exists(os.path.join(queue_dir, first))
+        assert any("could not be removed" in rec.getMessage() for rec in caplog.records), caplog.text
+    finally:
+        await reopened.close()
+    monkeypatch.undo()                                              # made mutable again: the next start removes it
+    again = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await again.open()
+    try:
+        assert again.min_offset("Flow", 0) == low and not os.path.exists(os.path.join(queue_dir, first))
+        assert again.report.queues_rebuilt == [] and sorted(os.listdir(queue_dir))[0] != first
+    finally:
+        await again.close()
