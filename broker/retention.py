@@ -145,6 +145,8 @@ def _remedy(exc: OSError) -> str:
     """What to do about a file the file system would not unlink."""
     if exc.errno == errno.EIO:
         return "see dmesg and check the disk"
+    if exc.errno == errno.EROFS:
+        return "the file system is read-only: see dmesg, repair the disk and restart the broker"
     return "give the broker's user write access to the directory and make the file mutable (ls -l, lsattr; chattr -i)"
 
 
@@ -228,7 +230,13 @@ class Retention:
                 why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
                        or self._young_halves(by_name[name], now))
                 if why is None:
-                    why = await self._remove(by_name[name], "plan", "expired")
+                    try:
+                        why = await self._remove(by_name[name], "plan", "expired")
+                    except OSError as exc:
+                        # Raised, the admin got SYSTEM_ERROR with the errno alone, no word of what the plan did
+                        if exc.errno != errno.EROFS:
+                            self._count_unremovable("segment", exc)
+                        why = f"its file could not be removed: {exc}; {_remedy(exc)}"
                 if why is None:
                     removed.append(name)
                     continue

@@ -1533,3 +1533,22 @@ async def test_a_queue_file_that_cannot_be_unlinked_leaves_the_removal_whole_and
         assert again.report.queues_rebuilt == [] and sorted(os.listdir(queue_dir))[0] != first
     finally:
         await again.close()
+
+
+@bounded(30)
+async def test_a_plan_whose_segment_cannot_be_unlinked_keeps_it_in_its_reply(world, monkeypatch):
+    """A listed segment whose file could not be unlinked (EACCES, EIO) raised out of the plan's apply: the admin got
+    SYSTEM_ERROR with the errno alone, no summary of the halves it had dead-lettered already, nothing counted. It is
+    kept now, with the reason and what to do in the reply and the log, and counted; every later one waits with it."""
+    ctx, clock, half, old, _fresh = world
+    before = names(ctx)
+    plan = await spark_like_plan(ctx, clock.now)
+    assert len(plan["segments"]) >= 2
+    _segment_unlinks_fail(monkeypatch, ctx.store, errno.EACCES)
+    summary = await Retention(ctx).apply_plan(plan)
+    assert summary["segments_removed"] == [] and names(ctx) == before
+    kept = summary["segments_kept"]
+    assert [k["name"] for k in kept] == [s["name"] for s in plan["segments"]]
+    assert "Permission denied" in kept[0]["why"] and "chattr -i" in kept[0]["why"], kept
+    assert ctx.metrics.segment_removals_failed.labels("segment", "EACCES")._value.get() == 1
+    assert readable(ctx, old) == len(old)
