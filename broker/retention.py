@@ -422,10 +422,12 @@ class Retention:
                         break
                     self._met_read_only = self.ctx.store.disk.table_readings
                     if not self._erofs_said:
-                        self._erofs_said = True
+                        # The pause this starts is said here, not by a WARNING "retention paused" after this ERROR
+                        self._erofs_said = self._paused_said = True
                         log.error("disk pressure: cannot remove segment %s: %s; the file system turned read-only: "
-                                  "the cleaner waits for the disk monitor's next mount-table reading",
-                                  oldest.name, exc)
+                                  "retention paused, no segment is removed until it can write (the cleaner waits "
+                                  "for the disk monitor's next mount-table reading): see dmesg, repair the disk and "
+                                  "restart the broker (what was acknowledged is kept)", oldest.name, exc)
                     elif not self._unseen_said:
                         self._unseen_said = True
                         log.warning("disk pressure: cannot remove segment %s: %s; the disk monitor does not see "

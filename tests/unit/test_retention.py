@@ -1351,7 +1351,8 @@ async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cle
     """ext4's emergency_ro is seen in the mount table only (read every 5 s): a pass in between tried the removal,
     met EROFS, and the next pass tried the next segment (measured on an ext4 loop device, a pass every 2 s: an
     ERROR a pass, one segment after another). The first EROFS pauses the cleaner until the disk monitor has seen
-    the file system read-only, which then decides."""
+    the file system read-only, which then decides. Said in one line, the ERROR naming the pause and what to do (a
+    WARNING "retention paused" followed it, saying the same again)."""
     ctx, *_ = world
     store = ctx.store
     real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
@@ -1362,6 +1363,7 @@ async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cle
     assert tried == before[:1], tried
     errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
     assert len(errors) == 1 and "read-only" in errors[0].getMessage(), caplog.text
+    assert "retention paused" in errors[0].getMessage() and "dmesg" in errors[0].getMessage(), caplog.text
     assert sum("retention paused" in rec.getMessage() for rec in caplog.records) == 1, caplog.text
     store.disk.read_only = True                     # the monitor sees it
     assert await r.clean_once() == [] and tried == before[:1]
