@@ -86,13 +86,18 @@ class ConsumeQueue:
         for i in range(len(starts) - 1, 0, -1):
             if starts[i] - starts[i - 1] != file_size:
                 older = [os.path.join(directory, f"{start:020d}") for start in starts[:i]]
-                if _wholly_below(older[-1], file_size, log_start):
+                leftovers = _unit_below(older[-1], file_size - UNIT_SIZE, log_start)
+                if not (leftovers and _unit_below(os.path.join(directory, f"{starts[i]:020d}"), 0, log_start)):
+                    # The units in the gap are below the log's start only if the file after it begins below it:
+                    # the file before it wholly below says nothing of them (a leftover, then a live file lost to
+                    # a disk or a hand: taken for leftovers, its units left the queue without a word).
+                    cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
+                if leftovers:
                     # A segment removal's leftovers (a file it could not unlink, EACCES or EIO, the later
-                    # removals' files gone): nothing lost. Taken for a gap, the queue was rebuilt from the log (and
-                    # the leftovers' unlink, refused again, failed the start).
+                    # removals' files gone). Taken for a gap, the queue was rebuilt from the log (and the
+                    # leftovers' unlink, refused again, failed the start).
                     _remove_leftovers(older, topic, queue_id)
                 else:
-                    cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
                     for path in older:
                         os.unlink(path)
                 starts = starts[i:]
@@ -584,16 +589,16 @@ def make_first_file(directory: str, file_size: int) -> tuple[MappedFile, list[st
     return mf, dirs
 
 
-def _wholly_below(path: str, file_size: int, log_start: int | None) -> bool:
-    """Whether the full queue file at ``path`` ends with a unit of a record below ``log_start`` (every unit in it
-    then is: a queue's units go up the log)."""
+def _unit_below(path: str, at: int, log_start: int | None) -> bool:
+    """Whether the unit at byte ``at`` of the queue file at ``path`` names a record below ``log_start`` (the last
+    unit of a full file: every unit in it does, a queue's units going up the log; the first: every unit before it)."""
     if log_start is None:
         return False
     with open(path, "rb") as f:
-        last = os.pread(f.fileno(), UNIT_SIZE, file_size - UNIT_SIZE)
-    if len(last) < UNIT_SIZE:
+        unit = os.pread(f.fileno(), UNIT_SIZE, at)
+    if len(unit) < UNIT_SIZE:
         return False
-    phys, size, _tag = UNIT.unpack(last)
+    phys, size, _tag = UNIT.unpack(unit)
     return size > 0 and 0 <= phys < log_start     # (a zeroed unit is damage: it is not dated)
 
 

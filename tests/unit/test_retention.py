@@ -1554,3 +1554,47 @@ async def test_a_plan_whose_segment_cannot_be_unlinked_keeps_it_in_its_reply(wor
     assert "Permission denied" in kept[0]["why"] and "chattr -i" in kept[0]["why"], kept
     assert ctx.metrics.segment_removals_failed.labels("segment", "EACCES")._value.get() == 1
     assert readable(ctx, old) == len(old)
+
+
+@bounded(30)
+async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebuilt(tmp_path, monkeypatch):
+    """A leftover (a queue file a removal could not unlink, wholly below the log's start) and, after it, a queue
+    file of the live range lost (a disk, a hand): the gap is real damage. It was taken for the removal's leftovers
+    because the file before it is below the log's start: the lost file's units, still in the log, left the queue
+    without a word (its minimum moved past them). It is rebuilt from the log, as any gap in the live range is."""
+    clock = Clock(T0 - 80 * H)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
+    ctx = await make(tmp_path, clock, cfg)
+    await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 200)
+    store = ctx.store
+    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
+    first = sorted(os.listdir(queue_dir))[0]
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **k):
+        if os.path.basename(os.fspath(path)) == first and os.path.dirname(os.fspath(path)) == queue_dir:
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert await Retention(ctx, usage=lambda: 0.8).clean_once()
+    monkeypatch.undo()
+    cq = store._cqs[("Flow", 0)]
+    low, high = store.min_offset("Flow", 0), store.max_offset("Flow", 0)
+    live_first = cq.files[0].start
+    assert os.path.exists(os.path.join(queue_dir, first)) and len(cq.files) >= 2, len(cq.files)
+    next_start = cq.files[1].start // 20
+    assert low < next_start, (low, next_start)           # the first live file holds units consumers still need
+    await store.close()
+    os.unlink(os.path.join(queue_dir, f"{live_first:020d}"))        # lost: a disk, a hand
+
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        assert reopened.report.queues_rebuilt == ["Flow-0"], reopened.report.queues_rebuilt
+        assert (reopened.min_offset("Flow", 0), reopened.max_offset("Flow", 0)) == (low, high)
+        got = reopened.get_messages("Flow", 0, low, 4, 1 << 20)
+        assert got.status == GetStatus.FOUND and decode_record(got.buffers[0])[0].queue_offset == low, got.status
+    finally:
+        await reopened.close()
