@@ -262,7 +262,7 @@ class BrokerMetrics:
         self.segment_removals_failed = Counter(
             "txmq_store_segment_removals_failed_total", "Commit-log segment removals (by retention) that failed on a "
             "file the file system would not unlink, by what (segment: the segment is kept and readable, tried again "
-            "each pass; queue-file: the segment went, a consume-queue file of it stayed until the next start) and "
+            "each pass; queue-file: the segment went, a consume-queue file of it stayed, tried again at the next removal and start) and "
             "errno (EACCES, EPERM, EIO, ...). Said once per failure run at ERROR.", ["what", "errno"], registry=r)
         self.tail_cuts = Counter("txmq_store_tail_truncations_total",
                                  "Commit-log cuts made at start-up: a torn tail (a record a crash left incomplete: "

@@ -361,9 +361,9 @@ class Retention:
         if left and not self._left_said:
             self._left_said = True
             log.error("segment %s removed, but consume-queue files of %d queue(s) below it could not be unlinked "
-                      "(the first: %s): out of their queues (consumers go on from past them), on disk until a start "
-                      "removes them (txmq_store_segment_removals_failed_total; said again once a removal leaves "
-                      "none): %s", facts.name, len(left), left[0], _remedy(left[0]))
+                      "(the first: %s): out of their queues (consumers go on from past them), on disk until a later "
+                      "removal or a start removes them (txmq_store_segment_removals_failed_total; said again once a "
+                      "removal leaves none): %s", facts.name, len(left), left[0], _remedy(left[0]))
         elif not left:
             self._left_said = False
         return None

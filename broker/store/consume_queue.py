@@ -57,6 +57,8 @@ class ConsumeQueue:
         self._attempt_from = 0
         self.last_error: OSError | None = None
         self.damaged: str | None = None     # why load found units missing before the last file (recovery rebuilds)
+        self.leftovers: list[str] = []      # paths of files below the log's start the start could not unlink
+        # (the store's removals try them again)
         # (queue offset, file name, byte in it) of the first all-zero unit load found below max_offset, if any:
         # a lost page. Recovery rewrites it if its record is in the verified range, else rebuilds the queue.
         self.zeroed: tuple[int, str, int] | None = None
@@ -96,7 +98,7 @@ class ConsumeQueue:
                     # A segment removal's leftovers (a file it could not unlink, EACCES or EIO, the later
                     # removals' files gone). Taken for a gap, the queue was rebuilt from the log (and the
                     # leftovers' unlink, refused again, failed the start).
-                    _remove_leftovers(older, topic, queue_id)
+                    cq.leftovers = _remove_leftovers(older, topic, queue_id)
                 else:
                     for path in older:
                         os.unlink(path)
@@ -602,9 +604,10 @@ def _unit_below(path: str, at: int, log_start: int | None) -> bool:
     return size > 0 and 0 <= phys < log_start     # (a zeroed unit is damage: it is not dated)
 
 
-def _remove_leftovers(paths: list[str], topic: str, queue_id: int) -> None:
-    """Unlink a queue's files wholly below the log's start; said when one cannot be (the next start tries again)."""
-    for path in paths:
+def _remove_leftovers(paths: list[str], topic: str, queue_id: int) -> list[str]:
+    """Unlink a queue's files wholly below the log's start, oldest first; said when one cannot be (it and the ones
+    after it wait for the store's next removal, or the next start). Returns the paths left."""
+    for i, path in enumerate(paths):
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -612,4 +615,6 @@ def _remove_leftovers(paths: list[str], topic: str, queue_id: int) -> None:
         except OSError as exc:
             log.warning("consume queue %s-%d: a file below the log's start, left by a segment removal, could not be "
                         "removed: %s; nothing is read from it: make it removable (ls -l, lsattr; chattr -i) or see "
-                        "dmesg (EIO); the next start tries again", topic, queue_id, exc)
+                        "dmesg (EIO); the next segment removal or start tries again", topic, queue_id, exc)
+            return paths[i:]
+    return []

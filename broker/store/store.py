@@ -84,6 +84,9 @@ class MessageStore:
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
         self.queue_files_left: list[OSError] = []    # the last remove_segment's: a queue's files it could not unlink
+        self._queue_leftovers: list[str] = []   # paths of queue files removals could not unlink, oldest first: each
+        # removal tries them again (kept until a restart, every later removal's files of an immutable queue directory
+        # made mutable again joined them)
         self._landed_listeners: list[Callable[[str, int, int], None]] = []   # see add_landed_listener
         # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
         # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
@@ -242,6 +245,8 @@ class MessageStore:
                                   cut_from=copy_from if nul_free_from is not None and copy_from is not None
                                   and copy_from >= nul_free_from else None,
                                   keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
+            # files below the log's start this start could not unlink: the next segment removal tries them again
+            self._queue_leftovers = [path for cq in self._cqs.values() for path in cq.leftovers]
             if rebuild:     # every queue came from the whole log: counted as one directory removed alone is
                 self.report.queues_rebuilt = sorted(set(self.report.queues_rebuilt)
                                                     | {f"{t}-{q}" for t, q in self._cqs})
@@ -1502,9 +1507,11 @@ class MessageStore:
             await self._io.submit(_unlink_if_there, segs[0].path)
             dead = [[clog.release_oldest()]] + [cq.expire_before(clog.min_offset) for cq in self._cqs.values()]
             # A queue file that cannot be unlinked (an immutable directory, EIO) is out of its queue already: the
-            # removal goes on (its queue's minimum is past it; the next start removes it). Raised, it left the
+            # removal goes on (its queue's minimum is past it; the next removal tries it again, as does a start).
+            # Raised, it left the
             # message index, the manifest, the log line and the count undone, the files after it mapped.
-            self.queue_files_left = await self._io.submit(_remove_runs, [run for run in dead if run])
+            self.queue_files_left, self._queue_leftovers = await self._io.submit(
+                _remove_runs, [run for run in dead if run], self._queue_leftovers)
             await self._forget_kept_before(clog.min_offset)
             # Deleted topics' marks hiding nothing now go too: kept until a restart, a broker that ran for months
             # kept a directory and a file for every topic ever deleted (and its next start read them all).
@@ -1654,9 +1661,29 @@ def _unlink_if_there(path: str) -> None:
         os.unlink(path)
 
 
-def _remove_runs(runs) -> list[OSError]:
-    """remove_files of each run (a queue's files); the errors of those that could not all be unlinked."""
-    return [exc for exc in map(remove_files, runs) if exc is not None]
+def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
+    """remove_files of each run (a queue's files), after the earlier removals' ``leftovers`` are tried again (oldest
+    first; in a directory, the ones after a refused one wait with it: no gap). Returns the errors of the runs that
+    could not all be unlinked, and the paths still left on disk."""
+    left, refused = [], set()
+    for path in leftovers:
+        where = os.path.dirname(path)
+        if where not in refused:
+            try:
+                os.unlink(path)
+                continue
+            except FileNotFoundError:
+                continue
+            except OSError:
+                refused.add(where)
+        left.append(path)
+    errors = []
+    for run in runs:
+        exc = remove_files(run)
+        if exc is not None:
+            errors.append(exc)
+            left += [mf.path for mf in run if os.path.exists(mf.path)]
+    return errors, left
 
 
 def _summarize(seg: Segment) -> None:

@@ -1598,3 +1598,53 @@ async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebui
         assert got.status == GetStatus.FOUND and decode_record(got.buffers[0])[0].queue_offset == low, got.status
     finally:
         await reopened.close()
+
+
+@bounded(30)
+async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tmp_path, monkeypatch):
+    """Queue files a removal could not unlink (an immutable queue directory, made mutable again; EIO gone) stayed on
+    disk until a restart: every later removal's files of that queue joined them, for as long as the broker ran. A
+    later removal tries them again, oldest first."""
+    clock = Clock(T0 - 80 * H)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
+    ctx = await make(tmp_path, clock, cfg)
+    await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 200)
+    store = ctx.store
+    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **k):
+        if os.path.dirname(os.fspath(path)) == queue_dir:
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    level = [0.8]
+    r = Retention(ctx, usage=lambda: level[0])
+    assert await r.clean_once()
+    cq = store._cqs[("Flow", 0)]
+    live = {f"{mf.start:020d}" for mf in cq.files}
+    left = sorted(set(os.listdir(queue_dir)) - live)
+    assert left, os.listdir(queue_dir)
+    monkeypatch.undo()                                              # made mutable again, no restart
+    level[0] = 0.99                                                 # (force: the expired ones went)
+    assert await r.clean_once()
+    assert not set(left) & set(os.listdir(queue_dir)), (left, os.listdir(queue_dir))
+    assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}
+    await send(ctx, 200)
+    monkeypatch.setattr(os, "unlink", unlink)                       # refused again, across a restart
+    await store.remove_segment(store._log.segments[0].name)
+    assert len(store._log.segments) >= 3
+    await store.close()
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        cq = reopened._cqs[("Flow", 0)]
+        left = sorted(set(os.listdir(queue_dir)) - {f"{mf.start:020d}" for mf in cq.files})
+        assert left and reopened.report.queues_rebuilt == [], (left, reopened.report.queues_rebuilt)
+        monkeypatch.undo()
+        await reopened.remove_segment(reopened._log.segments[0].name)      # no restart: the removal takes them
+        assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}, os.listdir(queue_dir)
+    finally:
+        await reopened.close()
