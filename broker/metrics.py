@@ -257,7 +257,8 @@ class BrokerMetrics:
                                          "by a slave's cleaner, then promoted before its master dead-lettered them).",
                                          ["reason"], registry=r)
         self.segments_removed = Counter("txmq_store_segments_removed_total",
-                                        "Commit-log segments removed, by reason (expired, plan, pressure).",
+                                        "Commit-log segments removed, by reason (expired, plan, pressure; gone: found "
+                                        "missing at start-up, a removal a crash cut short or a hand's).",
                                         ["reason"], registry=r)
         self.tail_cuts = Counter("txmq_store_tail_truncations_total",
                                  "Commit-log cuts made at start-up: a torn tail (a record a crash left incomplete: "
