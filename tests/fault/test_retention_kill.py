@@ -15,10 +15,9 @@ import urllib.request
 
 import pytest
 
-from consumer import PullConsumer
-from consumer.pull_consumer import PullStatus
 from producer import Producer
 from tests.support.bounded import bounded
+from tests.support.offsets import drain
 
 pytestmark = pytest.mark.asyncio
 
@@ -33,26 +32,6 @@ def _gone_metric(addr: str) -> float:
             if line.startswith('txmq_store_segments_removed_total{reason="gone"} '):
                 return float(line.split()[1])
     return 0.0
-
-
-async def _pull_all(b) -> tuple[list[bytes], int]:
-    """Every body of queue-by-queue pulls from offset 0, and how many pulls were moved on (PULL_OFFSET_MOVED)."""
-    consumer = PullConsumer(b.namesrv, "CG_gone")
-    bodies, moved = [], 0
-    try:
-        for mq in await consumer.fetch_queues("Gone"):
-            offset = 0
-            for _ in range(100):
-                res = await consumer.pull(mq, offset, max_nums=32)
-                if res.status is PullStatus.OFFSET_ILLEGAL:
-                    moved += 1
-                elif res.status is PullStatus.NO_NEW_MSG:
-                    break
-                bodies += [m.body for m in res.messages]
-                offset = res.next_begin_offset
-    finally:
-        await consumer.shutdown()
-    return bodies, moved
 
 
 @bounded(90)
@@ -75,7 +54,7 @@ async def test_a_segment_removal_cut_short_by_a_kill_is_said_at_the_next_start(b
     assert (f"commit-log segments {oldest['name']}, named by the segment manifest, are gone from disk: the log now "
             f"starts at {SEG}. {oldest['records']} records went with them") in log
     assert _gone_metric(b.metrics) == 1
-    bodies, moved = await _pull_all(b)
+    _statuses, moved, bodies = await drain(b.namesrv, "CG_gone", "Gone")
     assert moved >= 1 and len(bodies) == len(set(bodies)) == N - oldest["records"]
     b.stop()
     # Kept as the manifest's "removed" entry: the rollup tells the day it cut from the days left whole by it.
