@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from producer import Producer
+from producer import LocalTransactionState, Producer, TransactionProducer
 from tests.support.bounded import bounded
 from tests.support.offsets import drain
 
@@ -34,22 +34,38 @@ def _gone_metric(addr: str) -> float:
     return 0.0
 
 
-@bounded(90)
-async def test_a_segment_removal_cut_short_by_a_kill_is_said_at_the_next_start(broker_factory):
-    b = broker_factory(*FLAGS)
+class Undecided:
+    def execute_local_transaction(self, msg, arg):
+        return LocalTransactionState.UNKNOW
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.UNKNOW
+
+
+async def _fill(b) -> None:
     async with Producer(b.namesrv, "PG_gone") as producer:
         for lo in range(0, N, 50):
             await asyncio.gather(*(producer.send("Gone", f"m-{i}".encode().ljust(1000, b"."))
                                    for i in range(lo, lo + 50)))
-    b.stop()        # (a clean stop writes the manifest naming every sealed segment, as a running broker has)
-    manifest = json.loads((b.store_dir / "segments.json").read_text())
-    oldest = manifest["segments"][0]
-    assert oldest["name"] == "0" * 20 and oldest["sealed"] and oldest["records"] > 0
-    b = broker_factory(*FLAGS)
-    b.kill()
-    (b.store_dir / "commitlog" / oldest["name"]).unlink()      # the removal's first step, then the kill
 
+
+async def _oldest_gone(broker_factory, b) -> tuple[dict, object]:
+    """``b`` stopped (a clean stop writes the manifest naming every sealed segment, as a running broker has),
+    started, killed, its oldest segment's file unlinked (a removal's first step); started again."""
+    b.stop()
+    oldest = json.loads((b.store_dir / "segments.json").read_text())["segments"][0]
+    assert oldest["name"] == "0" * 20 and oldest["sealed"] and oldest["records"] > 0
+    b = await asyncio.to_thread(broker_factory, *FLAGS)
+    b.kill()
+    (b.store_dir / "commitlog" / oldest["name"]).unlink()
+    return oldest, await asyncio.to_thread(broker_factory, *FLAGS)
+
+
+@bounded(90)
+async def test_a_segment_removal_cut_short_by_a_kill_is_said_at_the_next_start(broker_factory):
     b = broker_factory(*FLAGS)
+    await _fill(b)
+    oldest, b = await _oldest_gone(broker_factory, b)
     log = b.log()
     assert (f"commit-log segments {oldest['name']}, named by the segment manifest, are gone from disk: the log now "
             f"starts at {SEG}. {oldest['records']} records went with them") in log
@@ -62,3 +78,17 @@ async def test_a_segment_removal_cut_short_by_a_kill_is_said_at_the_next_start(b
     b = broker_factory(*FLAGS)      # said once: the manifest written since no longer names it
     assert _gone_metric(b.metrics) == 0
     assert "gone from disk" not in b.log().split("signal received: stopping")[-1]
+
+
+@bounded(90)
+async def test_an_undecided_half_in_a_segment_gone_by_hand_is_said_lost_without_blaming_a_slave(broker_factory):
+    """A master's retention dead-letters a segment's undecided halves before it removes it: one gone from a
+    master's segment went some other way, and the ERROR naming it said only a slave's cleaner could do that."""
+    b = broker_factory(*FLAGS)
+    async with TransactionProducer(b.namesrv, "PG_gone_tx", Undecided()) as tx:
+        await tx.send_in_transaction("GoneTx", b"undecided in the oldest segment")
+    await _fill(b)
+    _oldest, b = await _oldest_gone(broker_factory, b)
+    (said,) = [line for line in b.log().splitlines() if "transaction recovery: 1 undecided half message(s) are in "
+               "commit-log segments removed without a dead letter" in line]
+    assert "ERROR" in said and "or removed by hand or missed by a copy of the store" in said
