@@ -257,7 +257,8 @@ class BrokerMetrics:
                                          "by a slave's cleaner, then promoted before its master dead-lettered them).",
                                          ["reason"], registry=r)
         self.segments_removed = Counter("txmq_store_segments_removed_total",
-                                        "Commit-log segments removed, by reason (expired, plan, pressure).",
+                                        "Commit-log segments removed, by reason (expired, plan, pressure; gone: found "
+                                        "missing at start-up, a removal a crash cut short or a hand's).",
                                         ["reason"], registry=r)
         self.segment_removals_failed = Counter(
             "txmq_store_segment_removals_failed_total", "Commit-log segment removals (by retention) that failed on a "

@@ -299,11 +299,15 @@ class MessageStore:
         except BaseException:
             self._close_files()
             raise
+        known = sealed_from_disk(self.store_dir)
         if not self.report.truncations:     # a cut segment is not what its old entry says
             sealed = {seg.name for seg in self._log.segments[:-1]}
-            self._facts = {n: f for n, f in sealed_from_disk(self.store_dir).items() if n in sealed}
+            self._facts = {n: f for n, f in known.items() if n in sealed}
         removed = removed_from_disk(self.store_dir)
         first = self._log.segments[0].start if self._log.segments else None
+        gone = self._gone_before(known, first)
+        if gone:
+            removed = gone[-1]
         # Only while it is the segment just before the log's first (a store wiped or copied is not it any more).
         self._removed = removed if (removed is not None and first is not None
                                     and removed.start < first == removed.start + self._log.seg_size) else None
@@ -320,6 +324,27 @@ class MessageStore:
         self._disk_task = loop.create_task(self._disk_loop(), name="txmq-store-disk")
         self._state = "open"
         return self.report
+
+    def _gone_before(self, known: dict[str, SegmentFacts], first: int | None) -> list[SegmentFacts]:
+        """The segments the last run's manifest named before the log's first that are gone from disk, oldest first,
+        said at WARNING and named in the report (``gone_segments``). A removal unlinks the file first and writes
+        the manifest last: a kill between left the log starting one segment later, and the start took that
+        without a word, as it did a segment removed by hand or missed by a copy, its messages gone, consumers
+        behind it moved on, and the manifest's ``removed`` entry (the rollup's cut day) lost with it."""
+        if first is None:
+            return []
+        gone = sorted((f for f in known.values() if f.start < first), key=lambda f: f.start)
+        if gone:
+            self.report.gone_segments = [f.name for f in gone]
+            dated = [f for f in gone if f.first_ts >= 0]
+            log.warning("commit-log segments %s, named by the segment manifest, are gone from disk: the log now "
+                        "starts at %d. %s records went with them%s: a removal (retention, disk pressure, an expiry "
+                        "plan) that a crash cut short, or removed by hand or missed by a copy of the store. Their "
+                        "messages are no longer served: consumers behind them go on from their queues' first "
+                        "offsets (txmq_store_segments_removed_total{reason=\"gone\"})",
+                        ", ".join(f.name for f in gone), first, sum(max(f.records, 0) for f in gone),
+                        f" (stored {min(f.first_ts for f in dated)}..{max(f.last_ts for f in dated)})" if dated else "")
+        return gone
 
     async def close(self) -> None:
         """Drain queued puts, flush, checkpoint, unmap."""
