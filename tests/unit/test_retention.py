@@ -1556,28 +1556,36 @@ async def test_a_plan_whose_segment_cannot_be_unlinked_keeps_it_in_its_reply(wor
     assert readable(ctx, old) == len(old)
 
 
-@bounded(30)
-async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebuilt(tmp_path, monkeypatch):
-    """A leftover (a queue file a removal could not unlink, wholly below the log's start) and, after it, a queue
-    file of the live range lost (a disk, a hand): the gap is real damage. It was taken for the removal's leftovers
-    because the file before it is below the log's start: the lost file's units, still in the log, left the queue
-    without a word (its minimum moved past them). It is rebuilt from the log, as any gap in the live range is."""
+async def _queue_files_refused(tmp_path, monkeypatch, first_only=False):
+    """400 messages (200 written 80 h ago) in 16-unit queue files; unlinking a file of Flow-0's queue (its first
+    only, or every one) fails EACCES. Returns the context, clock, store config, that directory and the refusing
+    unlink."""
     clock = Clock(T0 - 80 * H)
     cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
     ctx = await make(tmp_path, clock, cfg)
     await send(ctx, 200)
     clock.now = T0
     await send(ctx, 200)
-    store = ctx.store
     queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
-    first = sorted(os.listdir(queue_dir))[0]
-    real_unlink = os.unlink
+    first, real_unlink = sorted(os.listdir(queue_dir))[0], os.unlink
 
     def unlink(path, *a, **k):
-        if os.path.basename(os.fspath(path)) == first and os.path.dirname(os.fspath(path)) == queue_dir:
+        if os.path.dirname(os.fspath(path)) == queue_dir and (not first_only or os.path.basename(path) == first):
             raise OSError(errno.EACCES, "Permission denied", path)
         return real_unlink(path, *a, **k)
     monkeypatch.setattr(os, "unlink", unlink)
+    return ctx, clock, cfg, queue_dir, unlink
+
+
+@bounded(30)
+async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebuilt(tmp_path, monkeypatch):
+    """A leftover (a queue file a removal could not unlink, wholly below the log's start) and, after it, a queue
+    file of the live range lost (a disk, a hand): the gap is real damage. It was taken for the removal's leftovers
+    because the file before it is below the log's start: the lost file's units, still in the log, left the queue
+    without a word (its minimum moved past them). It is rebuilt from the log, as any gap in the live range is."""
+    ctx, clock, cfg, queue_dir, _unlink = await _queue_files_refused(tmp_path, monkeypatch, first_only=True)
+    store = ctx.store
+    first = sorted(os.listdir(queue_dir))[0]
     assert await Retention(ctx, usage=lambda: 0.8).clean_once()
     monkeypatch.undo()
     cq = store._cqs[("Flow", 0)]
@@ -1605,21 +1613,8 @@ async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tm
     """Queue files a removal could not unlink (an immutable queue directory, made mutable again; EIO gone) stayed on
     disk until a restart: every later removal's files of that queue joined them, for as long as the broker ran. A
     later removal tries them again, oldest first."""
-    clock = Clock(T0 - 80 * H)
-    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
-    ctx = await make(tmp_path, clock, cfg)
-    await send(ctx, 200)
-    clock.now = T0
-    await send(ctx, 200)
+    ctx, clock, cfg, queue_dir, unlink = await _queue_files_refused(tmp_path, monkeypatch)
     store = ctx.store
-    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
-    real_unlink = os.unlink
-
-    def unlink(path, *a, **k):
-        if os.path.dirname(os.fspath(path)) == queue_dir:
-            raise OSError(errno.EACCES, "Permission denied", path)
-        return real_unlink(path, *a, **k)
-    monkeypatch.setattr(os, "unlink", unlink)
     level = [0.8]
     r = Retention(ctx, usage=lambda: level[0])
     assert await r.clean_once()
