@@ -1643,3 +1643,26 @@ async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tm
         assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}, os.listdir(queue_dir)
     finally:
         await reopened.close()
+
+
+@bounded(30)
+async def test_a_queue_file_lost_in_the_live_range_after_removals_is_rebuilt(tmp_path, monkeypatch):
+    """The leftovers rule leaves real damage alone: segments removed whole (the log starting past 0), then a queue
+    file in the middle of the live range lost: the queue is rebuilt from the log, its offsets what they were."""
+    ctx, clock, cfg, queue_dir, _unlink = await _queue_files_refused(tmp_path, monkeypatch)
+    monkeypatch.undo()
+    store = ctx.store
+    assert await Retention(ctx, usage=lambda: 0.8).clean_once() and store.min_physical_offset > 0
+    cq = store._cqs[("Flow", 0)]
+    assert len(cq.files) >= 3, len(cq.files)
+    low, high, middle = store.min_offset("Flow", 0), store.max_offset("Flow", 0), cq.files[1].start
+    await store.close()
+    os.unlink(os.path.join(queue_dir, f"{middle:020d}"))
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        assert reopened.report.queues_rebuilt == ["Flow-0"], reopened.report.queues_rebuilt
+        assert (reopened.min_offset("Flow", 0), reopened.max_offset("Flow", 0)) == (low, high)
+        assert reopened.get_messages("Flow", 0, middle // 20, 4, 1 << 20).status == GetStatus.FOUND
+    finally:
+        await reopened.close()
