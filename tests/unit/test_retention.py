@@ -1638,6 +1638,7 @@ async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tm
         cq = reopened._cqs[("Flow", 0)]
         left = sorted(set(os.listdir(queue_dir)) - {f"{mf.start:020d}" for mf in cq.files})
         assert left and reopened.report.queues_rebuilt == [], (left, reopened.report.queues_rebuilt)
+        assert reopened.report.gone_segments == [], reopened.report.gone_segments     # (the manifest was written)
         monkeypatch.undo()
         await reopened.remove_segment(reopened._log.segments[0].name)      # no restart: the removal takes them
         assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}, os.listdir(queue_dir)
