@@ -1578,12 +1578,15 @@ async def _queue_files_refused(tmp_path, monkeypatch, first_only=False):
 
 
 @bounded(30)
-async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebuilt(tmp_path, monkeypatch):
+@pytest.mark.parametrize("still_refused", [False, True])
+async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebuilt(tmp_path, monkeypatch,
+                                                                                 still_refused):
     """A leftover (a queue file a removal could not unlink, wholly below the log's start) and, after it, a queue
     file of the live range lost (a disk, a hand): the gap is real damage. It was taken for the removal's leftovers
     because the file before it is below the log's start: the lost file's units, still in the log, left the queue
-    without a word (its minimum moved past them). It is rebuilt from the log, as any gap in the live range is."""
-    ctx, clock, cfg, queue_dir, _unlink = await _queue_files_refused(tmp_path, monkeypatch, first_only=True)
+    without a word (its minimum moved past them). It is rebuilt from the log, as any gap in the live range is (the
+    leftover still not removable: the start goes on, rebuilding)."""
+    ctx, clock, cfg, queue_dir, unlink = await _queue_files_refused(tmp_path, monkeypatch, first_only=True)
     store = ctx.store
     first = sorted(os.listdir(queue_dir))[0]
     assert await Retention(ctx, usage=lambda: 0.8).clean_once()
@@ -1596,7 +1599,8 @@ async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebui
     assert low < next_start, (low, next_start)           # the first live file holds units consumers still need
     await store.close()
     os.unlink(os.path.join(queue_dir, f"{live_first:020d}"))        # lost: a disk, a hand
-
+    if still_refused:
+        monkeypatch.setattr(os, "unlink", unlink)
     reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
     await reopened.open()
     try:
