@@ -257,8 +257,14 @@ class BrokerMetrics:
                                          "by a slave's cleaner, then promoted before its master dead-lettered them).",
                                          ["reason"], registry=r)
         self.segments_removed = Counter("txmq_store_segments_removed_total",
-                                        "Commit-log segments removed, by reason (expired, plan, pressure).",
+                                        "Commit-log segments removed, by reason (expired, plan, pressure; gone: found "
+                                        "missing at start-up, a removal a crash cut short or a hand's).",
                                         ["reason"], registry=r)
+        self.segment_removals_failed = Counter(
+            "txmq_store_segment_removals_failed_total", "Commit-log segment removals (by retention) that failed on a "
+            "file the file system would not unlink, by what (segment: the segment is kept and readable, tried again "
+            "each pass; queue-file: the segment went, a consume-queue file of it stayed, tried again at the next removal and start) and "
+            "errno (EACCES, EPERM, EIO, ...). Said once per failure run at ERROR.", ["what", "errno"], registry=r)
         self.tail_cuts = Counter("txmq_store_tail_truncations_total",
                                  "Commit-log cuts made at start-up: a torn tail (a record a crash left incomplete: "
                                  "failing its body CRC, or its topic or properties zero-filled), or with "

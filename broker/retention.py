@@ -141,6 +141,15 @@ def applied_line(n: Counter, parts: int = 1) -> str:
     return f"expiry plan applied{f' in {parts} parts' if parts > 1 else ''}: {applied_totals(n)}"
 
 
+def _remedy(exc: OSError) -> str:
+    """What to do about a file the file system would not unlink."""
+    if exc.errno == errno.EIO:
+        return "see dmesg and check the disk"
+    if exc.errno == errno.EROFS:
+        return "the file system is read-only: see dmesg, repair the disk and restart the broker"
+    return "give the broker's user write access to the directory and make the file mutable (ls -l, lsattr; chattr -i)"
+
+
 class Retention:
     def __init__(self, ctx, usage=None):
         self.ctx = ctx
@@ -165,6 +174,10 @@ class Retention:
         self._met_read_only: int | None = None
         self._erofs_said = False            # a removal's EROFS was said (until one succeeds or the monitor sees it)
         self._unseen_said = False           # an EROFS the monitor did not see at its next reading was said
+        self._unremovable_said = False      # a segment file the file system would not unlink (EACCES, EPERM,
+        # EIO) was said (until a removal succeeds): the segment stays, readable, and each pass tries it again
+        self._left_said = False             # a removal's consume-queue files left on disk were said (until one
+        # leaves none)
         # (a slave) fn(log end) -> the offset up to which its master removed its log, None while not known
         # (ha/sync.py SlaveSync.removable_end; set by the server)
         self.master_removed_to = lambda _end: None
@@ -217,7 +230,13 @@ class Retention:
                 why = (blocked or judge(seg, by_name.get(name), cutoff=cutoff) or self._held(by_name[name])
                        or self._young_halves(by_name[name], now))
                 if why is None:
-                    why = await self._remove(by_name[name], "plan", "expired")
+                    try:
+                        why = await self._remove(by_name[name], "plan", "expired")
+                    except OSError as exc:
+                        # Raised, the admin got SYSTEM_ERROR with the errno alone, no word of what the plan did
+                        if exc.errno != errno.EROFS:
+                            self._count_unremovable("segment", exc)
+                        why = f"its file could not be removed: {exc}; {_remedy(exc)}"
                 if why is None:
                     removed.append(name)
                     continue
@@ -336,6 +355,17 @@ class Retention:
         finally:
             tx.removing = None
         self.ctx.metrics.child(self.ctx.metrics.segments_removed, reason).inc()
+        left = self.ctx.store.queue_files_left
+        for exc in left:
+            self._count_unremovable("queue-file", exc)
+        if left and not self._left_said:
+            self._left_said = True
+            log.error("segment %s removed, but consume-queue files of %d queue(s) below it could not be unlinked "
+                      "(the first: %s): out of their queues (consumers go on from past them), on disk until a later "
+                      "removal or a start removes them (txmq_store_segment_removals_failed_total; said again once a "
+                      "removal leaves none): %s", facts.name, len(left), left[0], _remedy(left[0]))
+        elif not left:
+            self._left_said = False
         return None
 
     # --------------------------------------------------------------- pressure
@@ -380,20 +410,24 @@ class Retention:
                         break
                     log.error("disk pressure: removing segment %s although %s; undecided halves in it are lost to this "
                               "slave promoted before its master decides them", oldest.name, held)
-                log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s (%s)",
-                            usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100, oldest.name,
-                            reason)
+                if not self._unremovable_said:      # (tried again each pass while a file cannot go: said once)
+                    log.warning("disk %.1f%% used (clean above %.0f%%, force above %.0f%%): removing segment %s "
+                                "(%s)", usage * 100, c.disk_clean_ratio * 100, c.disk_force_clean_ratio * 100,
+                                oldest.name, reason)
                 try:
                     why = await self._remove(oldest, reason, half_reason)
                 except OSError as exc:
                     if exc.errno != errno.EROFS:
-                        raise
+                        self._say_unremovable(oldest, exc)
+                        break
                     self._met_read_only = self.ctx.store.disk.table_readings
                     if not self._erofs_said:
-                        self._erofs_said = True
+                        # The pause this starts is said here, not by a WARNING "retention paused" after this ERROR
+                        self._erofs_said = self._paused_said = True
                         log.error("disk pressure: cannot remove segment %s: %s; the file system turned read-only: "
-                                  "the cleaner waits for the disk monitor's next mount-table reading",
-                                  oldest.name, exc)
+                                  "retention paused, no segment is removed until it can write (the cleaner waits "
+                                  "for the disk monitor's next mount-table reading): see dmesg, repair the disk and "
+                                  "restart the broker (what was acknowledged is kept)", oldest.name, exc)
                     elif not self._unseen_said:
                         self._unseen_said = True
                         log.warning("disk pressure: cannot remove segment %s: %s; the disk monitor does not see "
@@ -407,9 +441,26 @@ class Retention:
                     log.error("disk pressure: cannot remove segment %s: %s", oldest.name, why)
                     break
                 removed.append((oldest.name, reason))
-                self._erofs_said = self._unseen_said = False
+                self._erofs_said = self._unseen_said = self._unremovable_said = False
                 usage = self.usage()
         return removed
+
+    def _say_unremovable(self, oldest, exc: OSError) -> None:
+        """A removal whose segment file cannot be unlinked (EACCES, EPERM: an immutable file or directory, its
+        permissions; EIO): the segment stays in the log, readable, and the next pass tries it again. It was raised
+        out of the pass, an ERROR "disk pressure check failed" every disk_clean_interval_s for as long as it lasted,
+        counted nowhere. Counted each pass, said once per failure run (again once a removal succeeds)."""
+        self._count_unremovable("segment", exc)
+        if self._unremovable_said:
+            return
+        self._unremovable_said = True
+        log.error("disk pressure: cannot remove segment %s: %s; it is kept, readable, and tried again every %g s "
+                  "(txmq_store_segment_removals_failed_total; said again once a removal succeeds): %s",
+                  oldest.name, exc, self.ctx.config.disk_clean_interval_s, _remedy(exc))
+
+    def _count_unremovable(self, what: str, exc: OSError) -> None:
+        code = errno.errorcode.get(exc.errno, str(exc.errno))
+        self.ctx.metrics.child(self.ctx.metrics.segment_removals_failed, what, code).inc()
 
     def _paused(self) -> bool:
         """Whether the store can be written to (a removal unlinks files and writes the manifest, its halves'

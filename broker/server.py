@@ -243,6 +243,8 @@ class BrokerServer:
             self.metrics.queues_rebuilt.inc(len(report.queues_rebuilt))
         if report.truncations:
             self.metrics.tail_cuts.inc(len(report.truncations))
+        if report.gone_segments:
+            self.metrics.child(self.metrics.segments_removed, "gone").inc(len(report.gone_segments))
         if report.corrupt_kept:
             self.metrics.corrupt_kept.inc(len(report.corrupt_kept))
         ctx.ha = ha_roles.build(c, store, self._connect_master)

@@ -57,6 +57,8 @@ class ConsumeQueue:
         self._attempt_from = 0
         self.last_error: OSError | None = None
         self.damaged: str | None = None     # why load found units missing before the last file (recovery rebuilds)
+        self.leftovers: list[str] = []      # paths of files below the log's start the start could not unlink
+        # (the store's removals try them again)
         # (queue offset, file name, byte in it) of the first all-zero unit load found below max_offset, if any:
         # a lost page. Recovery rewrites it if its record is in the verified range, else rebuilds the queue.
         self.zeroed: tuple[int, str, int] | None = None
@@ -69,12 +71,13 @@ class ConsumeQueue:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, directory: str, topic: str, queue_id: int, file_size: int,
-             durable_below: int | None = None) -> "ConsumeQueue":
+             durable_below: int | None = None, log_start: int | None = None) -> "ConsumeQueue":
         """Open a queue's files. ``durable_below`` is the checkpoint's commit-log offset: an older file whose
         last unit names a record below it was flushed whole before that checkpoint, so a crash cannot have
         left a hole in it and it is not read through (start-up must not grow with the history kept); the
         others, and every file when there is no checkpoint, are searched for zeroed units (lost pages).
-        Damage outside the crash model (a disk, a hand) is found when a read meets it (``mark_damaged``)."""
+        Damage outside the crash model (a disk, a hand) is found when a read meets it (``mark_damaged``).
+        ``log_start``: the commit log's first segment's offset (files wholly below it are a removal's leftovers)."""
         cq = cls(directory, topic, queue_id, file_size)
         names = os.listdir(directory)
         if DAMAGE_MARK in names:
@@ -84,9 +87,21 @@ class ConsumeQueue:
         # the older files go and recovery rebuilds the queue from the log.
         for i in range(len(starts) - 1, 0, -1):
             if starts[i] - starts[i - 1] != file_size:
-                cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
-                for start in starts[:i]:
-                    os.unlink(os.path.join(directory, f"{start:020d}"))
+                older = [os.path.join(directory, f"{start:020d}") for start in starts[:i]]
+                leftovers = _unit_below(older[-1], file_size - UNIT_SIZE, log_start)
+                if not (leftovers and _unit_below(os.path.join(directory, f"{starts[i]:020d}"), 0, log_start)):
+                    # The units in the gap are below the log's start only if the file after it begins below it:
+                    # the file before it wholly below says nothing of them (a leftover, then a live file lost to
+                    # a disk or a hand: taken for leftovers, its units left the queue without a word).
+                    cq.damaged = f"file {starts[i]:020d} does not follow {starts[i - 1]:020d}"
+                if leftovers:
+                    # A segment removal's leftovers (a file it could not unlink, EACCES or EIO, the later
+                    # removals' files gone). Taken for a gap, the queue was rebuilt from the log (and the
+                    # leftovers' unlink, refused again, failed the start).
+                    cq.leftovers = _remove_leftovers(older, topic, queue_id)
+                else:
+                    for path in older:
+                        os.unlink(path)
                 starts = starts[i:]
                 break
         for start in starts:
@@ -574,3 +589,32 @@ def make_first_file(directory: str, file_size: int) -> tuple[MappedFile, list[st
     mf = MappedFile.create(directory, 0, file_size, reserve=RESERVE_CHUNK, durable_name=False)
     mf.mm[0:1] = b"\0"
     return mf, dirs
+
+
+def _unit_below(path: str, at: int, log_start: int | None) -> bool:
+    """Whether the unit at byte ``at`` of the queue file at ``path`` names a record below ``log_start`` (the last
+    unit of a full file: every unit in it does, a queue's units going up the log; the first: every unit before it)."""
+    if log_start is None:
+        return False
+    with open(path, "rb") as f:
+        unit = os.pread(f.fileno(), UNIT_SIZE, at)
+    if len(unit) < UNIT_SIZE:
+        return False
+    phys, size, _tag = UNIT.unpack(unit)
+    return size > 0 and 0 <= phys < log_start     # (a zeroed unit is damage: it is not dated)
+
+
+def _remove_leftovers(paths: list[str], topic: str, queue_id: int) -> list[str]:
+    """Unlink a queue's files wholly below the log's start, oldest first; said when one cannot be (it and the ones
+    after it wait for the store's next removal, or the next start). Returns the paths left."""
+    for i, path in enumerate(paths):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("consume queue %s-%d: a file below the log's start, left by a segment removal, could not be "
+                        "removed: %s; nothing is read from it: make it removable (ls -l, lsattr; chattr -i) or see "
+                        "dmesg (EIO); the next segment removal or start tries again", topic, queue_id, exc)
+            return paths[i:]
+    return []

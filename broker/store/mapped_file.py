@@ -273,6 +273,22 @@ class MappedFile:
         return self.close()
 
 
+def remove_files(files) -> OSError | None:
+    """Remove (unlink and close) ``files``, one queue's (or one segment), oldest first; the error of the first the
+    file system would not unlink (EACCES, EPERM: an immutable file or directory; EIO), None when all went. That one
+    and the ones after it stay on disk, closed: a queue's files left a run with no gap, which a start would take for
+    lost units (the queue rebuilt from the log). Raised, the files after it stayed mapped and what the caller had
+    still to do was left undone."""
+    for i, mf in enumerate(files):
+        try:
+            mf.remove()
+        except OSError as exc:
+            for kept in files[i:]:
+                kept.close()
+            return exc
+    return None
+
+
 _PREAD_CHUNK = 1 << 20
 
 

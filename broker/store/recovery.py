@@ -65,7 +65,7 @@ from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, c
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
 from .consume_queue import ConsumeQueue
-from .mapped_file import last_nonzero, parse_name
+from .mapped_file import last_nonzero, parse_name, remove_files
 from .progress import Progress
 from .replica import tag_of
 from .results import DispatchInfo, RecoveryReport, Truncation
@@ -296,10 +296,20 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     report.queues_rebuilt = sorted(f"{t}-{q}" for t, q in gaps)
     if gaps:
         _fill_gaps(clog, queues, gaps, end, report, tag_rule, deleted)
+    left = []
     for cq in queues.values():
-        for mf in cq.expire_before(clog.min_offset):
-            mf.remove()
+        dead = cq.expire_before(clog.min_offset)
+        failed = remove_files(dead)
+        if failed is not None:
+            left.append(failed)
+            cq.leftovers += [mf.path for mf in dead if os.path.exists(mf.path)]
         clog.qoffsets[(cq.topic, cq.queue_id)] = cq.max_offset
+    if left:
+        # Wholly below the log's start (a removal that could not unlink them): out of their queues all the same.
+        # Raised, the broker did not start for a file it does not need.
+        log.warning("consume-queue files of %d queue(s) below the log's start could not be removed (the first: %s); "
+                    "their queues start past them: make them removable (ls -l, lsattr; chattr -i) or see dmesg "
+                    "(EIO); the next segment removal or start removes them", len(left), left[0])
     report.seconds = time.monotonic() - began
     log.info("recovered the commit log: %d records verified from offset %d, end %d, %d cut, "
              "%d consume-queue units appended and %d dropped, in %.3f s", report.records_scanned,

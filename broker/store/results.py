@@ -157,6 +157,8 @@ class RecoveryReport:
     # damaged records kept in place, the log after them served (keep_corrupt_records; reason names topic and queue)
     corrupt_kept: list[Truncation] = field(default_factory=list)
     removed_segments: list[str] = field(default_factory=list)
+    # segments the last run's manifest named before the log's first, gone from disk (a removal a crash cut short)
+    gone_segments: list[str] = field(default_factory=list)
     cq_units_appended: int = 0
     cq_units_dropped: int = 0
     queues_rebuilt: list[str] = field(default_factory=list)    # "topic-queue" rebuilt from the whole log

@@ -36,7 +36,7 @@ from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
                        read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
                        write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name
+from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name, remove_files
 from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
@@ -83,6 +83,10 @@ class MessageStore:
         self._live: list[Callable[[DispatchInfo], None]] = []             # new records of any topic
         self._live_by_topic: dict[str, list[Callable[[DispatchInfo], None]]] = {}   # new records of one topic
         self._removal_listeners: list[Callable[[int], object]] = []   # fn(new min offset) after a removal
+        self.queue_files_left: list[OSError] = []    # the last remove_segment's: a queue's files it could not unlink
+        self._queue_leftovers: list[str] = []   # paths of queue files removals could not unlink, oldest first: each
+        # removal tries them again (kept until a restart, every later removal's files of an immutable queue directory
+        # made mutable again joined them)
         self._landed_listeners: list[Callable[[str, int, int], None]] = []   # see add_landed_listener
         # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
         # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
@@ -241,6 +245,8 @@ class MessageStore:
                                   cut_from=copy_from if nul_free_from is not None and copy_from is not None
                                   and copy_from >= nul_free_from else None,
                                   keep_corrupt=self.config.keep_corrupt_records, known_corrupt=known_corrupt)
+            # files below the log's start this start could not unlink: the next segment removal tries them again
+            self._queue_leftovers = [path for cq in self._cqs.values() for path in cq.leftovers]
             if rebuild:     # every queue came from the whole log: counted as one directory removed alone is
                 self.report.queues_rebuilt = sorted(set(self.report.queues_rebuilt)
                                                     | {f"{t}-{q}" for t, q in self._cqs})
@@ -293,11 +299,15 @@ class MessageStore:
         except BaseException:
             self._close_files()
             raise
+        known = sealed_from_disk(self.store_dir)
         if not self.report.truncations:     # a cut segment is not what its old entry says
             sealed = {seg.name for seg in self._log.segments[:-1]}
-            self._facts = {n: f for n, f in sealed_from_disk(self.store_dir).items() if n in sealed}
+            self._facts = {n: f for n, f in known.items() if n in sealed}
         removed = removed_from_disk(self.store_dir)
         first = self._log.segments[0].start if self._log.segments else None
+        gone = self._gone_before(known, first)
+        if gone:
+            removed = gone[-1]
         # Only while it is the segment just before the log's first (a store wiped or copied is not it any more).
         self._removed = removed if (removed is not None and first is not None
                                     and removed.start < first == removed.start + self._log.seg_size) else None
@@ -314,6 +324,27 @@ class MessageStore:
         self._disk_task = loop.create_task(self._disk_loop(), name="txmq-store-disk")
         self._state = "open"
         return self.report
+
+    def _gone_before(self, known: dict[str, SegmentFacts], first: int | None) -> list[SegmentFacts]:
+        """The segments the last run's manifest named before the log's first that are gone from disk, oldest first,
+        said at WARNING and named in the report (``gone_segments``). A removal unlinks the file first and writes
+        the manifest last: a kill between left the log starting one segment later, and the start took that
+        without a word, as it did a segment removed by hand or missed by a copy, its messages gone, consumers
+        behind it moved on, and the manifest's ``removed`` entry (the rollup's cut day) lost with it."""
+        if first is None:
+            return []
+        gone = sorted((f for f in known.values() if f.start < first), key=lambda f: f.start)
+        if gone:
+            self.report.gone_segments = [f.name for f in gone]
+            dated = [f for f in gone if f.first_ts >= 0]
+            log.warning("commit-log segments %s, named by the segment manifest, are gone from disk: the log now "
+                        "starts at %d. %s records went with them%s: a removal (retention, disk pressure, an expiry "
+                        "plan) that a crash cut short, or removed by hand or missed by a copy of the store. Their "
+                        "messages are no longer served: consumers behind them go on from their queues' first "
+                        "offsets (txmq_store_segments_removed_total{reason=\"gone\"})",
+                        ", ".join(f.name for f in gone), first, sum(max(f.records, 0) for f in gone),
+                        f" (stored {min(f.first_ts for f in dated)}..{max(f.last_ts for f in dated)})" if dated else "")
+        return gone
 
     async def close(self) -> None:
         """Drain queued puts, flush, checkpoint, unmap."""
@@ -429,6 +460,7 @@ class MessageStore:
 
     def _load_queues(self, durable_below: int | None) -> None:
         size = self.config.cq_file_size
+        log_start = self._first_segment_start()
         began = time.monotonic()
         topics = sorted(os.listdir(self._cq_root))
         progress = Progress("loading consume queues", len(topics), "topics")
@@ -442,7 +474,8 @@ class MessageStore:
                 self._deleted[topic] = below
             for qid in sorted(os.listdir(tdir)):
                 if qid.isdigit():
-                    cq = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size, durable_below)
+                    cq = ConsumeQueue.load(os.path.join(tdir, qid), topic, int(qid), size, durable_below,
+                                           log_start)
                     if below is not None and _left_by_delete(cq, below):
                         # a kill cut the delete short (mark written, queue files not all removed yet)
                         log.warning("consume queue %s-%s of the topic deleted at log offset %d: removed", topic,
@@ -913,7 +946,9 @@ class MessageStore:
             await self._io.submit(os.unlink, self._log.segments[0].path)
             new = await self._reserve_io.submit(self._log.make_segment, start)
             old = self._log.rebase(new)
-            await self._io.submit(_remove_files, [old])
+            failed = await self._io.submit(remove_files, [old])
+            if failed is not None:
+                raise failed
 
         await self._writer.control(op)
         log.warning("empty store: the log now starts at offset %d, where the master's does", start)
@@ -1495,10 +1530,13 @@ class MessageStore:
             # next pass took the next segment the same way (the whole log but the active segment, one a pass)
             # (one already gone, an operator's rm to free space, is removed as MappedFile.remove always let it be)
             await self._io.submit(_unlink_if_there, segs[0].path)
-            dead = [clog.release_oldest()]
-            for cq in self._cqs.values():
-                dead += cq.expire_before(clog.min_offset)
-            await self._io.submit(_remove_files, dead)
+            dead = [[clog.release_oldest()]] + [cq.expire_before(clog.min_offset) for cq in self._cqs.values()]
+            # A queue file that cannot be unlinked (an immutable directory, EIO) is out of its queue already: the
+            # removal goes on (its queue's minimum is past it; the next removal tries it again, as does a start).
+            # Raised, it left the
+            # message index, the manifest, the log line and the count undone, the files after it mapped.
+            self.queue_files_left, self._queue_leftovers = await self._io.submit(
+                _remove_runs, [run for run in dead if run], self._queue_leftovers)
             await self._forget_kept_before(clog.min_offset)
             # Deleted topics' marks hiding nothing now go too: kept until a restart, a broker that ran for months
             # kept a directory and a file for every topic ever deleted (and its next start read them all).
@@ -1648,9 +1686,29 @@ def _unlink_if_there(path: str) -> None:
         os.unlink(path)
 
 
-def _remove_files(files) -> None:
-    for mf in files:
-        mf.remove()
+def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
+    """remove_files of each run (a queue's files), after the earlier removals' ``leftovers`` are tried again (oldest
+    first; in a directory, the ones after a refused one wait with it: no gap). Returns the errors of the runs that
+    could not all be unlinked, and the paths still left on disk."""
+    left, refused = [], set()
+    for path in leftovers:
+        where = os.path.dirname(path)
+        if where not in refused:
+            try:
+                os.unlink(path)
+                continue
+            except FileNotFoundError:
+                continue
+            except OSError:
+                refused.add(where)
+        left.append(path)
+    errors = []
+    for run in runs:
+        exc = remove_files(run)
+        if exc is not None:
+            errors.append(exc)
+            left += [mf.path for mf in run if os.path.exists(mf.path)]
+    return errors, left
 
 
 def _summarize(seg: Segment) -> None:

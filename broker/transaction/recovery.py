@@ -474,7 +474,9 @@ def _removed_undecided(tx, removed: list[int], removed_queue: list[int] = ()) ->
     tx.lost_said = True
     tx.ctx.metrics.transactions_lost.labels("segment-removed").inc(len(removed) + len(removed_queue))
     log.error("transaction recovery: %d undecided half message(s) are in commit-log segments removed without a "
-              "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them): "
+              "dead letter (by this broker's cleaner while it was a slave, before its master dead-lettered them; "
+              "or removed by hand or missed by a copy of the store, not by the broker's retention, which "
+              "dead-letters them first): "
               "lost, never checked or committed (ask their producers); the log now starts at %d; half offsets %s; half queue offsets "
               "(of %s-0) %s", len(removed) + len(removed_queue), tx.ctx.store.min_physical_offset,
               _span(removed), HALF_TOPIC, _span(removed_queue))

@@ -21,12 +21,12 @@ import urllib.request
 import pytest
 
 from consumer import PullConsumer
-from consumer.pull_consumer import PullStatus
 from producer import LocalTransactionState as S
 from producer import Producer, TransactionProducer
 from tests.support.broker_process import REPO
 from tests.support.faketime import LIBFAKETIME, SKIP_REASON, past_env
 from tests.support.hung_writes import slow_flush_env
+from tests.support.offsets import drain
 
 pytestmark = pytest.mark.asyncio
 
@@ -105,28 +105,6 @@ async def _wait_manifest(store, check, timeout=10.0):
             await asyncio.sleep(0.1)
 
 
-async def _drain(b, group: str) -> tuple[list[PullStatus], int, list[bytes]]:
-    """Pull every queue of Flow from the group's committed offset; statuses met, moved count, bodies."""
-    consumer = PullConsumer(b.namesrv, group)
-    statuses, bodies, moved = [], [], 0
-    try:
-        for mq in await consumer.fetch_queues("Flow"):
-            offset = await consumer.fetch_offset(mq) or 0
-            for _ in range(200):
-                res = await consumer.pull(mq, offset, max_nums=32)
-                statuses.append(res.status)
-                if res.status is PullStatus.OFFSET_ILLEGAL:
-                    moved += 1
-                    assert res.next_begin_offset == res.min_offset > offset
-                elif res.status is PullStatus.NO_NEW_MSG:
-                    break
-                bodies += [m.body for m in res.messages]
-                offset = res.next_begin_offset
-    finally:
-        await consumer.shutdown()
-    return statuses, moved, bodies
-
-
 async def test_plans_judged_by_the_broker_on_a_store_written_80_hours_ago(broker_factory, tmp_path):
     store = tmp_path / "store"
     past = broker_factory(*FLAGS, env=PAST)
@@ -174,7 +152,7 @@ async def test_plans_judged_by_the_broker_on_a_store_written_80_hours_ago(broker
                                    .read().decode())
     assert f'txmq_store_segments_removed_total{{reason="plan"}} {float(len(old))}' in text
 
-    statuses, moved, bodies = await _drain(b, "CG_behind")
+    statuses, moved, bodies = await drain(b.namesrv, "CG_behind", "Flow")
     assert moved >= 1                                          # PULL_OFFSET_MOVED, then on from the minimum
     fresh = [x for x in bodies if x.startswith(b"fresh-")]
     assert len(fresh) == N and len({x for x in bodies if x.startswith(b"later-")}) == 300

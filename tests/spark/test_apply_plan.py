@@ -168,7 +168,8 @@ def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh(spark, broker_f
     nothing (it used to delete 1,044 of 1,500 fresh messages); the plan for now removes the old segments."""
     from ops.spark.expiry import build_plan
     from ops.spark.plan import write_plan
-    from tests.integration.test_retention_process import FLAGS, N, _drain, _old_traffic, _send
+    from tests.integration.test_retention_process import FLAGS, N, _old_traffic, _send
+    from tests.support.offsets import drain
 
     store = tmp_path / "store"
     past = broker_factory(*FLAGS, env=past_env("-80h"))
@@ -191,7 +192,7 @@ def test_spark_plans_for_a_store_written_80_hours_ago_plus_fresh(spark, broker_f
     applied = _admin(b, "apply-expiry", str(tmp_path / "good.json"))
     assert applied["segments_removed"] == [s["name"] for s in good["segments"]] and applied["segments_removed"]
     assert applied["expired"] == [good["halves"][0]["commit_log_offset"]]
-    _, moved, bodies = asyncio.run(_drain(b, "CG_behind"))
+    _, moved, bodies = asyncio.run(drain(b.namesrv, "CG_behind", "Flow"))
     assert moved >= 1 and sum(1 for x in bodies if x.startswith(b"fresh-")) == N
     print(f"\nSPARK-PLANS future plan listed {len(future['segments'])} segments ({len(future['halves'])} half), "
           f"removed 0: {out.stderr.strip()[:120]}; good plan removed {len(applied['segments_removed'])} segments "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from consumer import PullConsumer
-from consumer.pull_consumer import MessageQueue
+from consumer.pull_consumer import MessageQueue, PullStatus
 
 
 async def queues_behind(namesrv: str, group: str, topic: str) -> list[tuple[int, int | None, int]]:
@@ -18,3 +18,26 @@ async def queues_behind(namesrv: str, group: str, topic: str) -> list[tuple[int,
         return behind
     finally:
         await probe.shutdown()
+
+
+async def drain(namesrv: str, group: str, topic: str) -> tuple[list[PullStatus], int, list[bytes]]:
+    """Pull every queue of ``topic`` from ``group``'s committed offset (0 when none) to its end: the statuses met,
+    how many pulls were moved on (PULL_OFFSET_MOVED: to the queue's first offset, past the one asked), the bodies."""
+    consumer = PullConsumer(namesrv, group)
+    statuses, bodies, moved = [], [], 0
+    try:
+        for mq in await consumer.fetch_queues(topic):
+            offset = await consumer.fetch_offset(mq) or 0
+            for _ in range(200):
+                res = await consumer.pull(mq, offset, max_nums=32)
+                statuses.append(res.status)
+                if res.status is PullStatus.OFFSET_ILLEGAL:
+                    moved += 1
+                    assert res.next_begin_offset == res.min_offset > offset
+                elif res.status is PullStatus.NO_NEW_MSG:
+                    break
+                bodies += [m.body for m in res.messages]
+                offset = res.next_begin_offset
+    finally:
+        await consumer.shutdown()
+    return statuses, moved, bodies

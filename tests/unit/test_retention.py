@@ -43,10 +43,10 @@ SEG = 64 * 1024
 BODY = b"m" * 900          # ~1 KiB records: ~60 a segment
 
 
-async def make(tmp_path, clock, **cfg):
+async def make(tmp_path, clock, store_config=None, **cfg):
     config = BrokerConfig(store_dir=str(tmp_path), transaction_check_interval_ms=1000,
                           transaction_timeout_ms=1000, **cfg)
-    store = MessageStore(str(tmp_path / "s"), StoreConfig(segment_size=SEG), clock=clock)
+    store = MessageStore(str(tmp_path / "s"), store_config or StoreConfig(segment_size=SEG), clock=clock)
     topics = TopicManager(str(tmp_path / "config"), auto_create=True, default_queue_nums=4, cluster="c", broker="b")
     ctx = BrokerContext(config, store, None, topics, ClientRegistry(clock), BrokerMetrics(), clock=clock)
     ctx.set_address("127.0.0.1", 10911)
@@ -1351,7 +1351,8 @@ async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cle
     """ext4's emergency_ro is seen in the mount table only (read every 5 s): a pass in between tried the removal,
     met EROFS, and the next pass tried the next segment (measured on an ext4 loop device, a pass every 2 s: an
     ERROR a pass, one segment after another). The first EROFS pauses the cleaner until the disk monitor has seen
-    the file system read-only, which then decides."""
+    the file system read-only, which then decides. Said in one line, the ERROR naming the pause and what to do (a
+    WARNING "retention paused" followed it, saying the same again)."""
     ctx, *_ = world
     store = ctx.store
     real_remove, tried = store.remove_segment, _removals_fail_read_only(store)
@@ -1362,6 +1363,7 @@ async def test_a_removal_that_meets_a_read_only_file_system_first_pauses_the_cle
     assert tried == before[:1], tried
     errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
     assert len(errors) == 1 and "read-only" in errors[0].getMessage(), caplog.text
+    assert "retention paused" in errors[0].getMessage() and "dmesg" in errors[0].getMessage(), caplog.text
     assert sum("retention paused" in rec.getMessage() for rec in caplog.records) == 1, caplog.text
     store.disk.read_only = True                     # the monitor sees it
     assert await r.clean_once() == [] and tried == before[:1]
@@ -1412,13 +1414,8 @@ async def test_a_segment_whose_file_cannot_be_unlinked_stays_in_the_running_log(
     segment that cannot be is kept, readable, and the pass says so."""
     ctx, _clock, _half, old, _fresh = world
     store = ctx.store
-    real_unlink, log_dir = os.unlink, os.path.realpath(store._log.directory)
-
-    def unlink(path, *a, **k):
-        if os.path.realpath(os.path.dirname(os.fspath(path))) == log_dir:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_unlink(path, *a, **k)
-    monkeypatch.setattr(os, "unlink", unlink)
+    log_dir = os.path.realpath(store._log.directory)
+    _segment_unlinks_fail(monkeypatch, store, errno.EACCES)
     r = Retention(ctx, usage=lambda: 0.9)
     before, start = names(ctx), store.min_physical_offset
     assert len(before) >= 3, before
@@ -1427,7 +1424,250 @@ async def test_a_segment_whose_file_cannot_be_unlinked_stays_in_the_running_log(
             await r.clean_once()
     assert names(ctx) == before and store.min_physical_offset == start
     assert readable(ctx, old) == len(old)
-    monkeypatch.setattr(os, "unlink", real_unlink)                 # repaired
+    monkeypatch.undo()                                             # repaired
     removed = await r.clean_once()
     assert removed and removed[0][0] == before[0], removed
     assert not os.path.exists(os.path.join(log_dir, before[0]))
+
+
+def _segment_unlinks_fail(monkeypatch, store, code: int, after: int = 0) -> None:
+    """Has unlinking a file of the store's commit-log directory fail with ``code`` (EACCES: an immutable file, the
+    directory's permissions; EIO), once ``after`` of them went."""
+    real_unlink, log_dir = os.unlink, os.path.realpath(store._log.directory)
+    went = []
+
+    def unlink(path, *a, **k):
+        if (os.path.realpath(os.path.dirname(os.fspath(path))) == log_dir and path not in went
+                and len(went) >= after):
+            raise OSError(code, os.strerror(code), path)
+        went.append(path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+
+
+@bounded(30)
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EIO])
+async def test_a_segment_that_cannot_be_unlinked_is_said_once_per_failure_run_and_counted(world, monkeypatch, caplog,
+                                                                                         code):
+    """A segment file the file system would not unlink (EACCES, EIO) is kept, readable; the error was raised out of
+    the pass, and the cleaner's loop logged "disk pressure check failed" at ERROR every disk_clean_interval_s (5 s)
+    for as long as it lasted, counted nowhere. Now each failed pass is counted, the failure said once with what to
+    do, and said again after a removal succeeded."""
+    ctx, *_ = world
+    store = ctx.store
+    _segment_unlinks_fail(monkeypatch, store, code)
+    r = Retention(ctx, usage=lambda: 0.9)
+    before = names(ctx)
+    for _ in range(4):
+        assert await r.clean_once() == []
+    assert names(ctx) == before
+    failed = ctx.metrics.segment_removals_failed.labels("segment", errno.errorcode[code])._value.get()
+    assert failed == 4
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and before[0] in errors[0] and "kept, readable" in errors[0], errors
+    assert ("dmesg" if code == errno.EIO else "chattr -i") in errors[0], errors
+    assert sum("removing segment" in rec.getMessage() for rec in caplog.records) == 1, caplog.text
+    monkeypatch.undo()              # repaired, and failing again after one more went: a new run, said again
+    _segment_unlinks_fail(monkeypatch, store, code, after=1)
+    assert await r.clean_once() == [(before[0], "expired")]
+    assert names(ctx) == before[1:]
+    assert sum(rec.levelname == "ERROR" for rec in caplog.records) == 2, caplog.text
+
+
+@bounded(30)
+async def test_a_queue_file_that_cannot_be_unlinked_leaves_the_removal_whole_and_the_next_start_working(tmp_path,
+                                                                                                        monkeypatch,
+                                                                                                        caplog):
+    """A segment removal whose first consume-queue file could not be unlinked (EACCES: an immutable queue directory;
+    EIO) raised out of the middle of it: the segment was gone and the queue's minimum past it, but the queue files
+    after that one stayed on disk and mapped, the message index was not told, the removal not counted nor said, and
+    the pass's ERROR said "disk pressure check failed" only. At the next start the same file, still there, raised out
+    of recovery: the broker did not start. Now the removal completes (the file closed and counted, said once) and a
+    start passes over a file it cannot remove, said."""
+    clock = Clock(T0 - 80 * H)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
+    ctx = await make(tmp_path, clock, cfg)
+    old = await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 20)
+    store = ctx.store
+    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
+    first = sorted(os.listdir(queue_dir))[0]
+    real_unlink, refused = os.unlink, []
+
+    def unlink(path, *a, **k):
+        if os.path.basename(os.fspath(path)) == first and os.path.dirname(os.fspath(path)) == queue_dir:
+            refused.append(path)
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    r = Retention(ctx, usage=lambda: 0.8)
+    before = names(ctx)
+    removed = await r.clean_once()
+    assert [n for n, _ in removed] == [n for n in before[:-1]][:len(removed)] and removed, removed
+    assert refused and os.path.exists(os.path.join(queue_dir, first))
+    in_first = [r_ for r_ in old if r_.physical_offset < SEG]
+    kept_files = len(os.listdir(queue_dir)) - len(store._cqs[("Flow", 0)].files)
+    assert kept_files >= 1, kept_files         # the refused one and its later ones: no gap on disk
+    low = store.min_offset("Flow", 0)
+    assert low >= len(in_first)
+    got = store.get_messages("Flow", 0, low, 4, 1 << 20)
+    assert got.status == GetStatus.FOUND, got.status
+    assert ctx.metrics.segment_removals_failed.labels("queue-file", "EACCES")._value.get() == 1
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and "consume-queue file" in errors[0] and "chattr -i" in errors[0], errors
+    assert sum("removed segment" in rec.getMessage() for rec in caplog.records) == len(removed), caplog.text
+    await store.close()
+
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)     # the file still cannot go
+    await reopened.open()
+    try:
+        assert reopened.min_offset("Flow", 0) == low and reopened.report.queues_rebuilt == []
+        assert os.path.exists(os.path.join(queue_dir, first))
+        assert any("could not be removed" in rec.getMessage() for rec in caplog.records), caplog.text
+    finally:
+        await reopened.close()
+    monkeypatch.undo()                                              # made mutable again: the next start removes it
+    again = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await again.open()
+    try:
+        assert again.min_offset("Flow", 0) == low and not os.path.exists(os.path.join(queue_dir, first))
+        assert again.report.queues_rebuilt == [] and sorted(os.listdir(queue_dir))[0] != first
+    finally:
+        await again.close()
+
+
+@bounded(30)
+async def test_a_plan_whose_segment_cannot_be_unlinked_keeps_it_in_its_reply(world, monkeypatch):
+    """A listed segment whose file could not be unlinked (EACCES, EIO) raised out of the plan's apply: the admin got
+    SYSTEM_ERROR with the errno alone, no summary of the halves it had dead-lettered already, nothing counted. It is
+    kept now, with the reason and what to do in the reply and the log, and counted; every later one waits with it."""
+    ctx, clock, half, old, _fresh = world
+    before = names(ctx)
+    plan = await spark_like_plan(ctx, clock.now)
+    assert len(plan["segments"]) >= 2
+    _segment_unlinks_fail(monkeypatch, ctx.store, errno.EACCES)
+    summary = await Retention(ctx).apply_plan(plan)
+    assert summary["segments_removed"] == [] and names(ctx) == before
+    kept = summary["segments_kept"]
+    assert [k["name"] for k in kept] == [s["name"] for s in plan["segments"]]
+    assert "Permission denied" in kept[0]["why"] and "chattr -i" in kept[0]["why"], kept
+    assert ctx.metrics.segment_removals_failed.labels("segment", "EACCES")._value.get() == 1
+    assert readable(ctx, old) == len(old)
+
+
+async def _queue_files_refused(tmp_path, monkeypatch, first_only=False):
+    """400 messages (200 written 80 h ago) in 16-unit queue files; unlinking a file of Flow-0's queue (its first
+    only, or every one) fails EACCES. Returns the context, clock, store config, that directory and the refusing
+    unlink."""
+    clock = Clock(T0 - 80 * H)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
+    ctx = await make(tmp_path, clock, cfg)
+    await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 200)
+    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
+    first, real_unlink = sorted(os.listdir(queue_dir))[0], os.unlink
+
+    def unlink(path, *a, **k):
+        if os.path.dirname(os.fspath(path)) == queue_dir and (not first_only or os.path.basename(path) == first):
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    return ctx, clock, cfg, queue_dir, unlink
+
+
+@bounded(30)
+@pytest.mark.parametrize("still_refused", [False, True])
+async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebuilt(tmp_path, monkeypatch,
+                                                                                 still_refused):
+    """A leftover (a queue file a removal could not unlink, wholly below the log's start) and, after it, a queue
+    file of the live range lost (a disk, a hand): the gap is real damage. It was taken for the removal's leftovers
+    because the file before it is below the log's start: the lost file's units, still in the log, left the queue
+    without a word (its minimum moved past them). It is rebuilt from the log, as any gap in the live range is (the
+    leftover still not removable: the start goes on, rebuilding)."""
+    ctx, clock, cfg, queue_dir, unlink = await _queue_files_refused(tmp_path, monkeypatch, first_only=True)
+    store = ctx.store
+    first = sorted(os.listdir(queue_dir))[0]
+    assert await Retention(ctx, usage=lambda: 0.8).clean_once()
+    monkeypatch.undo()
+    cq = store._cqs[("Flow", 0)]
+    low, high = store.min_offset("Flow", 0), store.max_offset("Flow", 0)
+    live_first = cq.files[0].start
+    assert os.path.exists(os.path.join(queue_dir, first)) and len(cq.files) >= 2, len(cq.files)
+    next_start = cq.files[1].start // 20
+    assert low < next_start, (low, next_start)           # the first live file holds units consumers still need
+    await store.close()
+    os.unlink(os.path.join(queue_dir, f"{live_first:020d}"))        # lost: a disk, a hand
+    if still_refused:
+        monkeypatch.setattr(os, "unlink", unlink)
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        assert reopened.report.queues_rebuilt == ["Flow-0"], reopened.report.queues_rebuilt
+        assert (reopened.min_offset("Flow", 0), reopened.max_offset("Flow", 0)) == (low, high)
+        got = reopened.get_messages("Flow", 0, low, 4, 1 << 20)
+        assert got.status == GetStatus.FOUND and decode_record(got.buffers[0])[0].queue_offset == low, got.status
+    finally:
+        await reopened.close()
+
+
+@bounded(30)
+async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tmp_path, monkeypatch):
+    """Queue files a removal could not unlink (an immutable queue directory, made mutable again; EIO gone) stayed on
+    disk until a restart: every later removal's files of that queue joined them, for as long as the broker ran. A
+    later removal tries them again, oldest first."""
+    ctx, clock, cfg, queue_dir, unlink = await _queue_files_refused(tmp_path, monkeypatch)
+    store = ctx.store
+    level = [0.8]
+    r = Retention(ctx, usage=lambda: level[0])
+    assert await r.clean_once()
+    cq = store._cqs[("Flow", 0)]
+    live = {f"{mf.start:020d}" for mf in cq.files}
+    left = sorted(set(os.listdir(queue_dir)) - live)
+    assert left, os.listdir(queue_dir)
+    monkeypatch.undo()                                              # made mutable again, no restart
+    level[0] = 0.99                                                 # (force: the expired ones went)
+    assert await r.clean_once()
+    assert not set(left) & set(os.listdir(queue_dir)), (left, os.listdir(queue_dir))
+    assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}
+    await send(ctx, 200)
+    monkeypatch.setattr(os, "unlink", unlink)                       # refused again, across a restart
+    await store.remove_segment(store._log.segments[0].name)
+    assert len(store._log.segments) >= 3
+    await store.close()
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        cq = reopened._cqs[("Flow", 0)]
+        left = sorted(set(os.listdir(queue_dir)) - {f"{mf.start:020d}" for mf in cq.files})
+        assert left and reopened.report.queues_rebuilt == [], (left, reopened.report.queues_rebuilt)
+        assert reopened.report.gone_segments == [], reopened.report.gone_segments     # (the manifest was written)
+        monkeypatch.undo()
+        await reopened.remove_segment(reopened._log.segments[0].name)      # no restart: the removal takes them
+        assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}, os.listdir(queue_dir)
+    finally:
+        await reopened.close()
+
+
+@bounded(30)
+async def test_a_queue_file_lost_in_the_live_range_after_removals_is_rebuilt(tmp_path, monkeypatch):
+    """The leftovers rule leaves real damage alone: segments removed whole (the log starting past 0), then a queue
+    file in the middle of the live range lost: the queue is rebuilt from the log, its offsets what they were."""
+    ctx, clock, cfg, queue_dir, _unlink = await _queue_files_refused(tmp_path, monkeypatch)
+    monkeypatch.undo()
+    store = ctx.store
+    assert await Retention(ctx, usage=lambda: 0.8).clean_once() and store.min_physical_offset > 0
+    cq = store._cqs[("Flow", 0)]
+    assert len(cq.files) >= 3, len(cq.files)
+    low, high, middle = store.min_offset("Flow", 0), store.max_offset("Flow", 0), cq.files[1].start
+    await store.close()
+    os.unlink(os.path.join(queue_dir, f"{middle:020d}"))
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        assert reopened.report.queues_rebuilt == ["Flow-0"], reopened.report.queues_rebuilt
+        assert (reopened.min_offset("Flow", 0), reopened.max_offset("Flow", 0)) == (low, high)
+        assert reopened.get_messages("Flow", 0, middle // 20, 4, 1 << 20).status == GetStatus.FOUND
+    finally:
+        await reopened.close()
