@@ -332,17 +332,20 @@ class MessageStore:
         if gone:
             self.report.gone_segments = [f.name for f in gone]
             dated = [f for f in gone if f.first_ts >= 0]
+            end = gone[-1].start + self._log.seg_size      # below ``first``: segments it did not name went too
             # Many (a copy that missed months of them) as a span: 3,900 names made one line of 86 KB, past what
             # journald keeps as one line (48 KiB); the report names each.
             names = ("commit-log segments " + ", ".join(f.name for f in gone) if len(gone) <= _GONE_NAMED
                      else f"{len(gone)} commit-log segments {gone[0].name}..{gone[-1].name}")
             log.warning("%s, named by the segment manifest, are gone from disk: the log now "
-                        "starts at %d. %s records went with them%s: a removal (retention, disk pressure, an expiry "
+                        "starts at %d. %s records went with them%s%s: a removal (retention, disk pressure, an expiry "
                         "plan) that a crash cut short, or removed by hand or missed by a copy of the store. Their "
                         "messages are no longer served: consumers behind them go on from their queues' first "
                         "offsets (txmq_store_segments_removed_total{reason=\"gone\"})",
                         names, first, sum(max(f.records, 0) for f in gone),
-                        f" (stored {min(f.first_ts for f in dated)}..{max(f.last_ts for f in dated)})" if dated else "")
+                        f" (stored {min(f.first_ts for f in dated)}..{max(f.last_ts for f in dated)})" if dated else "",
+                        f"; more went with the log from {end} to {first}, which the manifest did not name as sealed "
+                        f"(a manifest older than the log: a copy taken segments.json first)" if end < first else "")
         return gone
 
     async def close(self) -> None:

@@ -1970,3 +1970,32 @@ async def test_many_segments_gone_are_said_as_a_span_not_each_name(tmp_path, cap
     assert f"60 commit-log segments {names[0]}..{names[-1]}, named by the segment manifest" in said
     assert names[1] not in said and len(said) < 1000
     await store.close()
+
+
+@bounded(60)
+async def test_segments_gone_past_what_an_older_manifest_named_are_said_uncounted(tmp_path, caplog):
+    """A copy taken as docs/operations.md says (segments.json first, commitlog/ last) of a store whose retention
+    removed two segments meanwhile: its manifest named the first only as sealed. The WARNING said one segment and
+    its records went, the log starting two segments later: the second segment and its records said nowhere."""
+    import shutil
+
+    from broker.store.manifest import sealed_from_disk
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i)) for i in range(700)]))   # 0 sealed, 1 active
+    await store.refresh_manifest(force=True)
+    shutil.copy(tmp_path / "segments.json", tmp_path / "segments.copied")
+    named = sealed_from_disk(str(tmp_path))
+    assert list(named) == [f"{0:020d}"]
+    first_ts, last_ts = named[f"{0:020d}"].first_ts, named[f"{0:020d}"].last_ts
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i)) for i in range(1000)]))  # 1, 2 sealed
+    for _ in range(2):
+        await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+    os.replace(tmp_path / "segments.copied", tmp_path / "segments.json")
+    store = await reopen(tmp_path)
+    assert store.report.gone_segments == [f"{0:020d}"] and store.min_physical_offset == 2 * SEG
+    (said,) = [r.getMessage() for r in caplog.records if "gone from disk" in r.getMessage()]
+    assert (f"records went with them (stored {first_ts}..{last_ts}); more went with the log from {SEG} to "
+            f"{2 * SEG}, which the manifest did not name as sealed") in said
+    await store.close()
