@@ -48,6 +48,7 @@ log = logging.getLogger("txmq.store")
 REBUILD_FILE = "checkpoint.rebuild"     # the checkpoint, moved aside while consume queues are rebuilt from the log
 
 _MIN_SCAN_UNITS = 800       # RocketMQ scans at least 16000 bytes of consume queue per pull
+_GONE_NAMED = 8             # segments found gone at a start named each in the WARNING; more as a span
 _CORRUPT_REMEMBERED = 4096  # corrupt records logged once each (a consumer retrying one must not flood the log)
 _FOUND, _NO_MATCH, _REMOVING = GetStatus.FOUND, GetStatus.NO_MATCHED_MESSAGE, GetStatus.MESSAGE_WAS_REMOVING
 
@@ -337,13 +338,20 @@ class MessageStore:
         if gone:
             self.report.gone_segments = [f.name for f in gone]
             dated = [f for f in gone if f.first_ts >= 0]
-            log.warning("commit-log segments %s, named by the segment manifest, are gone from disk: the log now "
-                        "starts at %d. %s records went with them%s: a removal (retention, disk pressure, an expiry "
+            end = gone[-1].start + self._log.seg_size      # below ``first``: segments it did not name went too
+            # Many (a copy that missed months of them) as a span: 3,900 names made one line of 86 KB, past what
+            # journald keeps as one line (48 KiB); the report names each.
+            names = ("commit-log segments " + ", ".join(f.name for f in gone) if len(gone) <= _GONE_NAMED
+                     else f"{len(gone)} commit-log segments {gone[0].name}..{gone[-1].name}")
+            log.warning("%s, named by the segment manifest, are gone from disk: the log now "
+                        "starts at %d. %s records went with them%s%s: a removal (retention, disk pressure, an expiry "
                         "plan) that a crash cut short, or removed by hand or missed by a copy of the store. Their "
                         "messages are no longer served: consumers behind them go on from their queues' first "
                         "offsets (txmq_store_segments_removed_total{reason=\"gone\"})",
-                        ", ".join(f.name for f in gone), first, sum(max(f.records, 0) for f in gone),
-                        f" (stored {min(f.first_ts for f in dated)}..{max(f.last_ts for f in dated)})" if dated else "")
+                        names, first, sum(max(f.records, 0) for f in gone),
+                        f" (stored {min(f.first_ts for f in dated)}..{max(f.last_ts for f in dated)})" if dated else "",
+                        f"; more went with the log from {end} to {first}, which the manifest did not name as sealed "
+                        f"(a manifest older than the log: a copy taken segments.json first)" if end < first else "")
         return gone
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import pytest
@@ -92,3 +93,30 @@ async def test_an_undecided_half_in_a_segment_gone_by_hand_is_said_lost_without_
     (said,) = [line for line in b.log().splitlines() if "transaction recovery: 1 undecided half message(s) are in "
                "commit-log segments removed without a dead letter" in line]
     assert "ERROR" in said and "or removed by hand or missed by a copy of the store" in said
+
+
+@bounded(120)
+async def test_removals_that_finished_are_never_said_gone_after_a_kill_or_a_stop(broker_factory, tmp_path):
+    """The other side: a plan's removals (one, then two in one pass) that finished wrote segments.json after their
+    unlinks, so neither a kill -9 right after them nor a clean stop has the next start say a segment gone."""
+    from tests.integration.test_retention_process import _admin, _plan     # (skips without libfaketime, as there)
+    flags = (*FLAGS, "--file-reserved-hours", "0.0001")     # 0.36 s: every sealed segment may go by a plan
+    b = broker_factory(*flags)
+    for _ in range(2):
+        await _fill(b)      # 1,200 records: four sealed segments and more
+    b.stop()                # the manifest written (a running broker writes it within a checkpoint interval)
+    b = await asyncio.to_thread(broker_factory, *flags)
+    removed = []
+    for take, restart in ((1, "kill"), (2, "stop")):
+        plan = _plan(b.store_dir, int(time.time() * 1000), retention_ms=0)
+        plan["segments"] = plan["segments"][:take]
+        code, reply = await asyncio.to_thread(_admin, b, plan, tmp_path, f"take{take}")
+        assert code == 0 and reply["segments_removed"] == [s["name"] for s in plan["segments"]], reply
+        removed += reply["segments_removed"]
+        b.kill() if restart == "kill" else b.stop()
+        b = await asyncio.to_thread(broker_factory, *flags)
+        assert _gone_metric(b.metrics) == 0
+        assert json.loads((b.store_dir / "segments.json").read_text())["removed"]["name"] == removed[-1]
+    assert len(removed) == 3 and "gone from disk" not in b.log_path.read_text()
+    _statuses, moved, bodies = await drain(b.namesrv, "CG_after", "Gone")
+    assert moved >= 1 and 0 < len(bodies) < 2 * N

@@ -1908,3 +1908,94 @@ async def test_a_slave_writes_corrupt_kept_for_its_masters_kept_record_through_a
         await slave.close()
     assert seen and seen[0][1], seen             # the first try: in append_replica, before the record is copied
     assert not any(on_loop for _, on_loop in seen[1:]), seen    # the retries: the disk loop's, off the loop
+
+
+@bounded(60)
+async def test_segments_removed_in_one_pass_are_not_said_gone_at_the_starts_after(tmp_path, caplog):
+    """Removals that finished (each writes segments.json after its unlink) are no segments gone: a kill right after
+    any of them, or a stop and two starts after all of them, says nothing, counts nothing, keeps the newest removed."""
+    from broker.store.manifest import removed_from_disk, sealed_from_disk
+    await fill(tmp_path, 2200)      # four segments of ~520 records, the fourth active
+    store = await reopen(tmp_path)
+    assert not store.report.gone_segments
+    names = [s.name for s in store.segments()[:3]]
+    for name in names:
+        await store.remove_segment(name, "test")
+        # the state a kill now leaves: the manifest no longer names it
+        assert name not in sealed_from_disk(str(tmp_path)) and removed_from_disk(str(tmp_path)).name == name
+    await store.close()
+    for _ in range(2):
+        caplog.clear()
+        store = await reopen(tmp_path)
+        assert store.report.gone_segments == [] and store.min_physical_offset == 3 * SEG
+        assert "gone from disk" not in caplog.text
+        await store.close()
+        assert removed_from_disk(str(tmp_path)).name == names[-1]
+
+
+@bounded(60)
+async def test_segments_gone_with_a_copy_are_said_once_with_the_manifests_counts(tmp_path, caplog):
+    """Two oldest segments missed by a copy: both named, their records summed from the manifest's entries (not made
+    up: a segment gone has no bytes to count), the newest kept as "removed"; the start after says nothing."""
+    from broker.store.manifest import removed_from_disk, sealed_from_disk
+    await fill(tmp_path, 2200)
+    known = sealed_from_disk(str(tmp_path))
+    names = [f"{0:020d}", f"{SEG:020d}"]
+    for name in names:
+        os.unlink(os.path.join(tmp_path, "commitlog", name))
+    store = await reopen(tmp_path)
+    assert store.report.gone_segments == names
+    records = known[names[0]].records + known[names[1]].records
+    assert records > 900 and f"{records} records went with them" in caplog.text
+    await store.close()
+    assert removed_from_disk(str(tmp_path)).name == names[-1]
+    caplog.clear()
+    store = await reopen(tmp_path)
+    assert store.report.gone_segments == [] and "gone from disk" not in caplog.text
+    await store.close()
+
+
+@bounded(60)
+async def test_many_segments_gone_are_said_as_a_span_not_each_name(tmp_path, caplog):
+    """A copy that missed months of segments (3,900 named by a manifest: 86 KB of names) made one WARNING line past
+    what journald keeps as one line (48 KiB): the count, the first and the last are said, every name in the report."""
+    config = StoreConfig(segment_size=8192, max_message_size=8000)
+    await fill(tmp_path, 130, size=3000, cfg=config)        # two records a segment: 65 segments
+    names = sorted(os.listdir(tmp_path / "commitlog"))[:60]
+    for name in names:
+        os.unlink(os.path.join(tmp_path, "commitlog", name))
+    store = await reopen(tmp_path, config)
+    assert store.report.gone_segments == names
+    (said,) = [r.getMessage() for r in caplog.records if "gone from disk" in r.getMessage()]
+    assert f"60 commit-log segments {names[0]}..{names[-1]}, named by the segment manifest" in said
+    assert names[1] not in said and len(said) < 1000
+    await store.close()
+
+
+@bounded(60)
+async def test_segments_gone_past_what_an_older_manifest_named_are_said_uncounted(tmp_path, caplog):
+    """A copy taken as docs/operations.md says (segments.json first, commitlog/ last) of a store whose retention
+    removed two segments meanwhile: its manifest named the first only as sealed. The WARNING said one segment and
+    its records went, the log starting two segments later: the second segment and its records said nowhere."""
+    import shutil
+
+    from broker.store.manifest import sealed_from_disk
+    store = MessageStore(str(tmp_path), CFG)
+    await store.open()
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i)) for i in range(700)]))   # 0 sealed, 1 active
+    await store.refresh_manifest(force=True)
+    shutil.copy(tmp_path / "segments.json", tmp_path / "segments.copied")
+    named = sealed_from_disk(str(tmp_path))
+    assert list(named) == [f"{0:020d}"]
+    first_ts, last_ts = named[f"{0:020d}"].first_ts, named[f"{0:020d}"].last_ts
+    assert all(r.ok for r in await asyncio.gather(*[store.put(req(i)) for i in range(1000)]))  # 1, 2 sealed
+    for _ in range(2):
+        await store.remove_segment(store.segments()[0].name, "test")
+    await store.close()
+    os.replace(tmp_path / "segments.copied", tmp_path / "segments.json")
+    store = await reopen(tmp_path)
+    assert store.report.gone_segments == [f"{0:020d}"] and store.min_physical_offset == 2 * SEG
+    (said,) = [r.getMessage() for r in caplog.records if "gone from disk" in r.getMessage()]
+    assert (f"records went with them (stored {first_ts}..{last_ts}); more went with the log from {SEG} to "
+            f"{2 * SEG}, which the manifest did not name as sealed") in said
+    await store.close()
