@@ -20,6 +20,9 @@ class _Conn:
         self.unread = 0                 # what unread_bytes() says
         self.quiet_unsent = 0
         self.budget = None
+        self.unfinished_bytes = 0       # of a request frame not yet whole
+        self.frame_ticks = 0
+        self.on_refuse = None
 
     def unread_bytes(self):
         return self.unread
@@ -294,3 +297,25 @@ def test_a_refusal_past_max_connections_names_who_holds_them_and_what_to_do(capl
             gate.admit(_Conn(i))
     [line] = [r.getMessage() for r in caplog.records]
     assert "holding the most" not in line and "--max-connections" not in line, line
+
+
+def test_a_frame_unfinished_for_the_expiry_is_closed_but_not_while_the_broker_itself_stops_reading(caplog):
+    """A byte now and then kept a connection from being quiet, so a frame trickled in was held for good. A frame
+    unfinished for the expiry is closed (counted, said once); while the broker paused reading the connection (its
+    requests in progress past max_in_flight) the frame is not the peer's to finish, and its clock starts again."""
+    gate = ConnectionGate(10, 5, logging.getLogger("test"), "broker listener")
+    trickler, paused, whole = _Conn(1), _Conn(2), _Conn(3)
+    refused = []
+    for conn in (trickler, paused, whole):
+        assert gate.admit(conn) is None
+        conn.on_refuse = refused.append
+    trickler.unfinished_bytes = paused.unfinished_bytes = 7
+    paused.reading_paused = paused.handling = True
+    for _ in range(3):
+        trickler.quiet_ticks = paused.quiet_ticks = whole.quiet_ticks = 0   # a byte came in each sweep
+        with caplog.at_level(logging.WARNING):
+            gate.close_quiet(2)
+    assert (trickler.aborted, paused.aborted, whole.aborted) == (True, False, False)
+    assert refused == ["unfinished-frame"] and paused.frame_ticks == 0
+    said = [r.getMessage() for r in caplog.records if "stayed unfinished" in r.getMessage()]
+    assert len(said) == 1 and "10.0.0.1:1" in said[0], said
