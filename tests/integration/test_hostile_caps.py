@@ -1063,3 +1063,23 @@ async def test_a_frame_trickled_a_byte_at_a_time_is_closed_once_unfinished_for_c
     assert await asyncio.to_thread(_scraped, broker, 'txmq_requests_refused_total{reason="unfinished-frame"}') == 1
     said = [line for line in broker.log().splitlines() if "stayed unfinished" in line]
     assert len(said) == 1 and "WARNING" in said[0] and "127.0.0.3" in said[0], said
+
+
+@bounded(60)
+async def test_a_scrape_is_served_while_idle_connections_hold_every_metrics_thread(broker_factory):
+    """Sixteen connections to /metrics that send nothing (a port scanner, a health check that connects and waits,
+    a client reconnecting every 10 s) held all of the HTTP server's threads, and every Prometheus scrape was
+    answered 503 meanwhile. A scrape closes the idle one waiting longest and is served; the one line says so."""
+    import socket
+    from broker.metrics_http import MAX_CONNECTIONS
+    broker = broker_factory()
+    host, _, port = broker.metrics.rpartition(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for _ in range(3):
+            assert await asyncio.to_thread(_scraped, broker, "txmq_parked_pulls") == 0
+        assert await asyncio.to_thread(idle[0].recv, 1) == b""      # the first connected was closed for a scrape
+    finally:
+        for s in idle:
+            s.close()
+    assert broker.log().count("sent no request while all") == 1
