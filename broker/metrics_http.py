@@ -34,6 +34,7 @@ RENDER_TIMEOUT_S = 30.0     # a page the loop has not finished in this long (sta
 READ_TIMEOUT_S = 10.0       # a connection that has not sent its whole request (or taken the page) in this long is closed
 MAX_CONNECTIONS = 16        # connections served at once, a thread each; one more closes the one waiting longest
                             # for its request, or, none waiting, is answered 503 and closed
+IDLE_BEFORE_CLOSE_S = 0.25  # how long a connection must have waited for its request to be closed for a new one
 ROOM_WAIT_S = 2.0           # how long a new connection waits for the thread of the idle one closed for it
 _TOO_MANY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
              b"# metrics not rendered: too many connections to /metrics at once\n")
@@ -212,7 +213,8 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
         said = EveryKey(60.0)       # hosts whose refusals were said this minute: a flood of connections, one line
         idle_said = EveryKey(60.0)  # hosts whose idle connections closed for a new one were said this minute
 
-        # Connections given a thread whose request is not whole yet, the longest waiting first (socket -> host)
+        # Connections given a thread whose request is not whole yet, the longest waiting first
+        # (socket -> (host, time.monotonic() accepted))
         waiting: dict = {}
         waiting_lock = threading.Lock()
 
@@ -230,7 +232,10 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
                 if not self.waiting:
                     return False
                 oldest = next(iter(self.waiting))
-                host = self.waiting.pop(oldest)
+                host, since = self.waiting[oldest]
+                if time.monotonic() - since < IDLE_BEFORE_CLOSE_S:
+                    return False        # (a flood of connections must not close a scraper's before it is read)
+                del self.waiting[oldest]
             if self.idle_said.due(host):
                 log.warning("a /metrics connection from %s closed: it sent no request while all %d were taken, and "
                             "a new one came (said once a minute a host): a client that connects and waits (a port "
@@ -258,7 +263,7 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
                 self.shutdown_request(request)
                 return
             with self.waiting_lock:
-                self.waiting[request] = client_address[0]
+                self.waiting[request] = client_address[0], time.monotonic()
             try:
                 super().process_request(request, client_address)
             except BaseException:

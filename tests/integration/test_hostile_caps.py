@@ -1071,11 +1071,12 @@ async def test_a_scrape_is_served_while_idle_connections_hold_every_metrics_thre
     a client reconnecting every 10 s) held all of the HTTP server's threads, and every Prometheus scrape was
     answered 503 meanwhile. A scrape closes the idle one waiting longest and is served; the one line says so."""
     import socket
-    from broker.metrics_http import MAX_CONNECTIONS
+    from broker.metrics_http import IDLE_BEFORE_CLOSE_S, MAX_CONNECTIONS
     broker = broker_factory()
     host, _, port = broker.metrics.rpartition(":")
     idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_CONNECTIONS)]
     try:
+        await asyncio.sleep(IDLE_BEFORE_CLOSE_S)   # the broker's rule: only one idle this long is closed for another
         for _ in range(3):
             assert await asyncio.to_thread(_scraped, broker, "txmq_parked_pulls") == 0
         assert await asyncio.to_thread(idle[0].recv, 1) == b""      # the first connected was closed for a scrape

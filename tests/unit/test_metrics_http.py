@@ -263,8 +263,8 @@ async def _until(done, tries: int = 400) -> None:
 async def test_idle_connections_holding_every_thread_make_room_for_a_scrape(monkeypatch, caplog):
     """MAX_CONNECTIONS connections that connect and send nothing (a port scanner, a health check that waits, a
     hostile client reconnecting every READ_TIMEOUT_S) held every thread, and each scrape meanwhile was answered
-    503. A new connection past the cap closes the one waiting longest for its request: scrapes are served, the
-    idle ones closed oldest first, said once."""
+    503. A new connection past the cap closes the one waiting longest for its request (if it has waited
+    IDLE_BEFORE_CLOSE_S): scrapes are served, the idle ones closed oldest first, said once."""
     import select
     import urllib.request
     import broker.metrics_http as mh
@@ -277,6 +277,11 @@ async def test_idle_connections_holding_every_thread_make_room_for_a_scrape(monk
     held = _idle_connections(port, mh.MAX_CONNECTIONS)
     await _until(lambda: _serving() - before == mh.MAX_CONNECTIONS)     # a thread each, every one taken
     try:
+        # One connected a moment ago is not closed for a newcomer: a flood of connections must not close a
+        # scraper's before its request is read.
+        monkeypatch.setattr(mh, "IDLE_BEFORE_CLOSE_S", 30.0)
+        await _refused_503(url, caplog, b"too many connections")
+        monkeypatch.setattr(mh, "IDLE_BEFORE_CLOSE_S", 0.0)
         with caplog.at_level("WARNING", logger="txmq.metrics"):
             for _ in range(3):
                 page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
