@@ -461,7 +461,8 @@ class ConnectionGate:
 
     def _frame_overdue(self, conn, ticks: int) -> bool:
         """Close ``conn`` when the frame it is sending has stayed unfinished for ``ticks`` calls of close_quiet
-        (its reading paused by us, the frame is not the peer's to finish: not counted). Any byte reset the quiet
+        (its reading paused by us, the frame is not the peer's to finish: not counted). A peer that sent nothing at
+        all for as long (gone mid-frame: its host down, the link cut) is left to the quiet rule, not counted here. Any byte reset the quiet
         count, so a peer trickling one byte of a frame every 100 s (or every 10 s) held its connection, the bytes
         of that frame and its address's room for good, nothing said. RocketMQ 4.9.8 closes it: its IdleStateHandler
         sits behind NettyDecoder, so only whole frames count as reads (ALL_IDLE, 120 s). Counted (``on_refuse("unfinished-frame")``: a metric) and
@@ -472,6 +473,8 @@ class ConnectionGate:
         if conn.frame_ticks < ticks:
             conn.frame_ticks += 1
             return False
+        if conn.quiet_ticks >= ticks:
+            return False                    # nothing came for as long: a peer gone mid-frame, closed as quiet
         if conn.on_refuse is not None:
             conn.on_refuse("unfinished-frame")
         self._unfinished += 1

@@ -319,3 +319,25 @@ def test_a_frame_unfinished_for_the_expiry_is_closed_but_not_while_the_broker_it
     assert refused == ["unfinished-frame"] and paused.frame_ticks == 0
     said = [r.getMessage() for r in caplog.records if "stayed unfinished" in r.getMessage()]
     assert len(said) == 1 and "10.0.0.1:1" in said[0], said
+
+
+def test_a_peer_gone_quiet_in_the_middle_of_a_frame_is_closed_as_quiet_not_as_a_trickled_frame(caplog):
+    """A peer that vanished part-way through a frame (its host down, the link cut during a large send) sent nothing
+    for the expiry: it was counted as txmq_requests_refused_total{reason="unfinished-frame"} and said at WARNING
+    as bytes "coming a few at a time", an alert for a hostile client where there was none. It is closed as any
+    quiet connection; a frame whose bytes kept trickling in is still closed as unfinished."""
+    gate = ConnectionGate(10, 5, logging.getLogger("test"), "broker listener")
+    gone, trickler = _Conn(1), _Conn(2)
+    refused = []
+    for conn in (gone, trickler):
+        assert gate.admit(conn) is None
+        conn.on_refuse = refused.append
+        conn.unfinished_bytes = 7
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            trickler.quiet_ticks = 0                    # a byte came in each sweep; none from the gone one
+            gate.close_quiet(2)
+    assert (gone.aborted, trickler.aborted) == (True, True)
+    assert refused == ["unfinished-frame"]
+    said = [r.getMessage() for r in caplog.records if "stayed unfinished" in r.getMessage()]
+    assert len(said) == 1 and "10.0.0.1:2" in said[0], said
