@@ -147,7 +147,7 @@ class BrokerConfig:
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_topics_per_host", "max_offsets_per_host", "max_offsets", "max_queues_per_host", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_total_read_buffer", "max_undecided_per_group", "max_undecided", "max_retry_groups", "max_subscription_groups",
-                     "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
+                     "flush_consumer_offset_interval_ms", "channel_expire_ms", "max_queue_locks", "max_queue_locks_per_connection",
                      "max_queue_locks_per_host", "max_groups_per_host", "max_parked_pulls_per_host",
                      "max_subscription_bytes_per_group", "max_subscription_bytes_per_host"):
             if getattr(self, name) <= 0:

@@ -341,3 +341,17 @@ def test_a_peer_gone_quiet_in_the_middle_of_a_frame_is_closed_as_quiet_not_as_a_
     assert refused == ["unfinished-frame"]
     said = [r.getMessage() for r in caplog.records if "stayed unfinished" in r.getMessage()]
     assert len(said) == 1 and "10.0.0.1:2" in said[0], said
+
+
+def test_a_zero_expiry_is_refused_at_start_naming_the_setting():
+    """--channel-expire-ms 0 (RocketMQ's serverChannelMaxIdleTimeSeconds=0 turns its idle close off) was taken: the
+    sweep's interval came to 0 s and its count of sweeps divided 0 by 0: the housekeeping task (quiet and
+    unfinished-frame closes, client expiry) crashed as it began, again at each restart, until its supervisor
+    stopped the broker. Refused at start now, as a name server's 0."""
+    from broker.config import BrokerConfig
+    from broker.namesrv.config import NamesrvConfig
+    from protocol.errors import ConfigError
+    for make, name in ((BrokerConfig, "channel_expire_ms"), (NamesrvConfig, "broker_expire_ms"),
+                       (NamesrvConfig, "scan_interval_ms")):
+        with pytest.raises(ConfigError, match=name):
+            make(**{name: 0})
