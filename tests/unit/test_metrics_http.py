@@ -243,6 +243,8 @@ async def test_connections_past_the_cap_are_answered_503_at_once_not_given_a_thr
             s.close()
         httpd.shutdown()
         httpd.server_close()
+        # (its loop run a moment: the pages' renderings, cancelled, end there, not left unawaited at its close)
+        await asyncio.to_thread(stalled.run_until_complete, asyncio.sleep(0.01))
         stalled.close()
 
 
