@@ -191,7 +191,8 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
             self.rfile = io.BufferedReader(_Deadline(self.connection, time.monotonic() + READ_TIMEOUT_S))
 
         def parse_request(self):
-            self.server.whole(self.connection)          # its request is read: no longer one to make room from
+            if self.server.whole(self.connection):      # its request is read: no longer one to make room from
+                return False    # (closed for a newcomer: what it had sent of its request line is no request)
             whole = super().parse_request()
             self.rfile.raw.deadline = float("inf")      # (no body is read: a GET's is ignored)
             self.connection.settimeout(READ_TIMEOUT_S)
@@ -216,11 +217,19 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
         # Connections given a thread whose request is not whole yet, the longest waiting first
         # (socket -> (host, time.monotonic() accepted))
         waiting: dict = {}
+        dropped: set = set()        # of those, closed for a newcomer, their thread not yet at whole()
         waiting_lock = threading.Lock()
 
-        def whole(self, request) -> None:
+        def whole(self, request) -> bool:
+            """Forget ``request`` as one waiting for its request; True when it was closed for a newcomer (the part
+            of a request line it had sent, read at the close, is not served: a page rendered for a dead socket, and
+            the thread the newcomer waits for held until it was done)."""
             with self.waiting_lock:
                 self.waiting.pop(request, None)
+                if request in self.dropped:
+                    self.dropped.discard(request)
+                    return True
+                return False
 
         def _make_room(self) -> bool:
             """Close the connection waiting longest for its request to arrive, so a new one is served in its
@@ -236,6 +245,7 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
                 if time.monotonic() - since < IDLE_BEFORE_CLOSE_S:
                     return False        # (a flood of connections must not close a scraper's before it is read)
                 del self.waiting[oldest]
+                self.dropped.add(oldest)
             if self.idle_said.due(host):
                 log.warning("a /metrics connection from %s closed: it sent no request while all %d were taken, and "
                             "a new one came (said once a minute a host): a client that connects and waits (a port "

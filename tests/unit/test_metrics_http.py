@@ -262,6 +262,40 @@ async def _until(done, tries: int = 400) -> None:
 
 
 @bounded(60)
+async def test_a_connection_closed_for_a_scrape_is_not_served_the_request_line_it_had_begun(monkeypatch):
+    """A connection closed to make room for a scrape, that had sent part of its request line ("GET /metrics", no
+    line end), read that part at the close as a whole HTTP/0.9 request and was served a page: a render for a dead
+    socket, its thread (the one the scrape waited for, ROOM_WAIT_S) held until it was done, a 503 for the scrape
+    past that. It ends at once now, nothing rendered; the scrape's is the one page."""
+    import urllib.request
+    import broker.metrics_http as mh
+    monkeypatch.setattr(mh, "READ_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(mh, "IDLE_BEFORE_CLOSE_S", 0.0)
+    loop = asyncio.get_running_loop()
+    pages = []
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop,
+                                    before=lambda: pages.append(1))
+    port = httpd.server_address[1]
+    before = _serving()
+    held = _idle_connections(port, mh.MAX_CONNECTIONS)
+    for s in held:
+        s.sendall(b"GET /metrics")
+    await _until(lambda: _serving() - before == mh.MAX_CONNECTIONS)
+    try:
+        page = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read())
+        assert b'rocketmq_messages_in_total{topic="T2"} 2.0' in page
+        assert await asyncio.to_thread(held[0].recv, 1) == b""
+        await _until(lambda: _serving() - before == mh.MAX_CONNECTIONS - 1)    # its thread ended
+        assert len(pages) == 1, pages
+    finally:
+        for s in held:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@bounded(60)
 async def test_idle_connections_holding_every_thread_make_room_for_a_scrape(monkeypatch, caplog):
     """MAX_CONNECTIONS connections that connect and send nothing (a port scanner, a health check that waits, a
     hostile client reconnecting every READ_TIMEOUT_S) held every thread, and each scrape meanwhile was answered
