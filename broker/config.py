@@ -75,7 +75,7 @@ class BrokerConfig:
     short_polling_ms: int = setting(1000, "Hold time when long polling is off.")
     max_suspend_ms: int = setting(25000, "Longest a pull is held, whatever the client asks: clients time out at 30 s.")
     flush_consumer_offset_interval_ms: int = setting(5000, "How often committed consumer offsets, when changed, are written to config/consumerOffset.json (RocketMQ's flushConsumerOffsetInterval). A kill -9 loses the last interval's commits; consumers commit their position again every round, changed or not, so that costs redeliveries only to a consumer that takes a queue over meanwhile.")
-    channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s), and a connection that sent nothing, or whose peer read none of its responses, for this long is closed (RocketMQ's serverChannelMaxIdleTimeSeconds, 120 s; stock clients heartbeat every 30 s): its peer went away without closing it, and it held its address's room (max_connections_per_host).")
+    channel_expire_ms: int = setting(120000, "A client not heard from for this long is dropped from its groups (RocketMQ's 120 s), and a connection that sent nothing, or whose peer read none of its responses, or whose request frame stayed unfinished (a byte now and then), for this long is closed (RocketMQ's serverChannelMaxIdleTimeSeconds, 120 s; stock clients heartbeat every 30 s): its peer went away without closing it, and it held its address's room (max_connections_per_host).")
     access_message_in_memory_max_ratio: int = setting(40, "RocketMQ's accessMessageInMemoryMaxRatio, percent of physical RAM: a message further than this from the log's end counts as on disk. A group with no offset for a queue is told 0 (start at its first message) only while that message is not on disk; else QUERY_NOT_FOUND, and the client starts where its consumeFromWhere says (the end, or its timestamp). Also the distance past which slave_read_enable suggests the slave.")
     max_reconsume_times: int = setting(16, "Retries before a failed message goes to %DLQ%<group> (RocketMQ's 16).")
     message_delay_level: str = setting("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h", "Delay of each DELAY level, level 1 first (RocketMQ's messageDelayLevel; units ms, s, m, h, d). A failed message's n-th retry waits level 3 + n.")
@@ -147,7 +147,7 @@ class BrokerConfig:
                      "flush_interval_ms", "transaction_check_interval_ms", "transaction_check_max", "transaction_check_in_flight_max",
                      "default_topic_queue_nums", "max_topics", "max_topics_per_host", "max_offsets_per_host", "max_offsets", "max_queues_per_host", "max_writer_queued_bytes", "max_write_buffer",
                      "max_total_write_buffer", "max_total_read_buffer", "max_undecided_per_group", "max_undecided", "max_retry_groups", "max_subscription_groups",
-                     "flush_consumer_offset_interval_ms", "max_queue_locks", "max_queue_locks_per_connection",
+                     "flush_consumer_offset_interval_ms", "channel_expire_ms", "max_queue_locks", "max_queue_locks_per_connection",
                      "max_queue_locks_per_host", "max_groups_per_host", "max_parked_pulls_per_host",
                      "max_subscription_bytes_per_group", "max_subscription_bytes_per_host"):
             if getattr(self, name) <= 0:

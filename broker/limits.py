@@ -380,6 +380,8 @@ class ConnectionGate:
         self.reserved = 0                   # of max_together, this gate's alone: the others' connections never take it
         self._refused = 0                   # since the last log line
         self._logged_at = -_GATE_LOG_INTERVAL_S
+        self._unfinished = 0                # connections closed for a frame never finished, since the last such line
+        self._unfinished_logged_at = -_GATE_LOG_INTERVAL_S
 
     def __len__(self) -> int:
         return len(self.open)
@@ -456,7 +458,9 @@ class ConnectionGate:
         120 s, and a stock client heartbeats every 30 s on each connection."""
         closed = 0
         for conn in list(self.open):
-            if (conn.reading_paused or conn.handling) and not _read_nothing(conn):
+            if self._frame_overdue(conn, ticks):
+                pass                        # (said and counted there, not as quiet)
+            elif (conn.reading_paused or conn.handling) and not _read_nothing(conn):
                 conn.quiet_ticks = 0
             elif conn.quiet_ticks >= ticks:
                 if conn.writing_paused and conn.budget is not None:
@@ -466,6 +470,38 @@ class ConnectionGate:
             else:
                 conn.quiet_ticks += 1
         return closed
+
+    def _frame_overdue(self, conn, ticks: int) -> bool:
+        """Close ``conn`` when the frame it is sending has stayed unfinished for ``ticks`` calls of close_quiet
+        (its reading paused by us, the frame is not the peer's to finish: not counted). A peer that sent nothing at
+        all for as long (gone mid-frame: its host down, the link cut) is left to the quiet rule, not counted here. Any byte reset the quiet
+        count, so a peer trickling one byte of a frame every 100 s (or every 10 s) held its connection, the bytes
+        of that frame and its address's room for good, nothing said. RocketMQ 4.9.8 closes it: its IdleStateHandler
+        sits behind NettyDecoder, so only whole frames count as reads (ALL_IDLE, 120 s). Counted (``on_refuse("unfinished-frame")``: a metric) and
+        logged at most every _GATE_LOG_INTERVAL_S naming the address, with the count since."""
+        if not conn.unfinished_bytes or conn.reading_paused:
+            conn.frame_ticks = 0
+            return False
+        if conn.frame_ticks < ticks:
+            conn.frame_ticks += 1
+            return False
+        if conn.quiet_ticks >= ticks:
+            return False                    # nothing came for as long: a peer gone mid-frame, closed as quiet
+        if conn.on_refuse is not None:
+            conn.on_refuse("unfinished-frame")
+        self._unfinished += 1
+        now = self.monotonic()
+        if now - self._unfinished_logged_at >= _GATE_LOG_INTERVAL_S:
+            self.log.warning("%s: closing %s:%s: its request frame (%d bytes so far) stayed unfinished for as long as a "
+                             "silent connection is kept (channel_expire_ms, %d sweeps), its bytes coming a few at a "
+                             "time; %d closed so since the "
+                             "last such line (logged at most every %d s): a client that cannot send a frame of "
+                             "max_frame_size within that time is broken or hostile, find it by its address",
+                             self.what, conn.peer[0], conn.peer[1], conn.unfinished_bytes, ticks, self._unfinished,
+                             _GATE_LOG_INTERVAL_S)
+            self._unfinished_logged_at, self._unfinished = now, 0
+        conn.abort()
+        return True
 
     def release(self, conn) -> bool:
         """Forget ``conn``; False when it was never admitted."""

@@ -174,7 +174,7 @@ class BrokerMetrics:
                                        registry=r)
         self.refused = Counter("txmq_requests_refused", "Requests refused by a guard, by reason "
                                "(acl, topic-limit, topic-host-limit, queue-limit, queue-host-limit, queue-file-failed, topic-rate, offset-limit, offset-host-limit, busy, undecided-limit, undecided-total-limit, retry-group-limit, subscription-group-limit, queue-lock-limit, "
-                               "max_connections, max_connections_per_host, open-files, max_total_read_buffer, group-limit, subscription-limit, subscription-host-limit, heartbeat-size, parked-pull-limit, "
+                               "max_connections, max_connections_per_host, open-files, max_total_read_buffer, unfinished-frame, group-limit, subscription-limit, subscription-host-limit, heartbeat-size, parked-pull-limit, "
                                "producer-group-mismatch, end-not-its-half, end-no-half, end-half-removed, end-bad-state, transaction-type-without-half, "
                                "send-back-unconsumable, batch-messages, header-size, tag-expression, forwarding, broker-consume-stats).",
                                ["reason"], registry=r)

@@ -16,6 +16,7 @@ import copy
 import gzip
 import io
 import logging
+import socket
 import threading
 import time
 from urllib.parse import parse_qs
@@ -31,7 +32,10 @@ CHUNK = 256                 # series of one family formatted in one encoder call
 SLICE_S = 0.002             # loop time the rendering takes before letting other work run
 RENDER_TIMEOUT_S = 30.0     # a page the loop has not finished in this long (stalled, or far too busy): 503, not a hang
 READ_TIMEOUT_S = 10.0       # a connection that has not sent its whole request (or taken the page) in this long is closed
-MAX_CONNECTIONS = 16        # connections served at once, a thread each; one more is answered 503 and closed
+MAX_CONNECTIONS = 16        # connections served at once, a thread each; one more closes the one waiting longest
+                            # for its request, or, none waiting, is answered 503 and closed
+IDLE_BEFORE_CLOSE_S = 0.25  # how long a connection must have waited for its request to be closed for a new one
+ROOM_WAIT_S = 2.0           # how long a new connection waits for the thread of the idle one closed for it
 _TOO_MANY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
              b"# metrics not rendered: too many connections to /metrics at once\n")
 # (text format only: series rendered in a block of their own after the family's, so never split from it)
@@ -187,6 +191,8 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
             self.rfile = io.BufferedReader(_Deadline(self.connection, time.monotonic() + READ_TIMEOUT_S))
 
         def parse_request(self):
+            if self.server.whole(self.connection):      # its request is read: no longer one to make room from
+                return False    # (closed for a newcomer: what it had sent of its request line is no request)
             whole = super().parse_request()
             self.rfile.raw.deadline = float("inf")      # (no body is read: a GET's is ignored)
             self.connection.settimeout(READ_TIMEOUT_S)
@@ -206,11 +212,56 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
     class _Server(ThreadingWSGIServer):
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         said = EveryKey(60.0)       # hosts whose refusals were said this minute: a flood of connections, one line
+        idle_said = EveryKey(60.0)  # hosts whose idle connections closed for a new one were said this minute
+
+        # Connections given a thread whose request is not whole yet, the longest waiting first
+        # (socket -> (host, time.monotonic() accepted))
+        waiting: dict = {}
+        dropped: set = set()        # of those, closed for a newcomer, their thread not yet at whole()
+        waiting_lock = threading.Lock()
+
+        def whole(self, request) -> bool:
+            """Forget ``request`` as one waiting for its request; True when it was closed for a newcomer (the part
+            of a request line it had sent, read at the close, is not served: a page rendered for a dead socket, and
+            the thread the newcomer waits for held until it was done)."""
+            with self.waiting_lock:
+                self.waiting.pop(request, None)
+                if request in self.dropped:
+                    self.dropped.discard(request)
+                    return True
+                return False
+
+        def _make_room(self) -> bool:
+            """Close the connection waiting longest for its request to arrive, so a new one is served in its
+            place: MAX_CONNECTIONS idle clients reconnecting every READ_TIMEOUT_S (port scanners, health checks
+            that connect and wait, a hostile client) had every scrape answered 503 for as long as they went on. A
+            scraper sends its request as it connects; one whose request is whole (a page rendering on a slow loop)
+            keeps its thread. True once a thread is free (its thread sees the close and ends at once)."""
+            with self.waiting_lock:
+                if not self.waiting:
+                    return False
+                oldest = next(iter(self.waiting))
+                host, since = self.waiting[oldest]
+                if time.monotonic() - since < IDLE_BEFORE_CLOSE_S:
+                    return False        # (a flood of connections must not close a scraper's before it is read)
+                del self.waiting[oldest]
+                self.dropped.add(oldest)
+            if self.idle_said.due(host):
+                log.warning("a /metrics connection from %s closed: it sent no request while all %d were taken, and "
+                            "a new one came (said once a minute a host): a client that connects and waits (a port "
+                            "scanner, a health check) holds a thread for up to %.0f s", host, MAX_CONNECTIONS,
+                            READ_TIMEOUT_S)
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return self.slots.acquire(timeout=ROOM_WAIT_S)
 
         def process_request(self, request, client_address):
             # Each connection a thread: a blocked loop holds one a scrape for RENDER_TIMEOUT_S, and idle clients
-            # one each until READ_TIMEOUT_S. Past the cap the answer is written here, short and at once.
-            if not self.slots.acquire(blocking=False):
+            # one each until READ_TIMEOUT_S. Past the cap the one waiting longest for its request is closed for it,
+            # or, every thread rendering a page, the answer is written here, short and at once.
+            if not self.slots.acquire(blocking=False) and not self._make_room():
                 if self.said.due(client_address[0]):
                     log.warning("a /metrics connection from %s answered 503: %d served already (said once a minute "
                                 "a host)", client_address, MAX_CONNECTIONS)
@@ -221,9 +272,12 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
                     pass
                 self.shutdown_request(request)
                 return
+            with self.waiting_lock:
+                self.waiting[request] = client_address[0], time.monotonic()
             try:
                 super().process_request(request, client_address)
             except BaseException:
+                self.whole(request)
                 self.slots.release()
                 raise
 
@@ -231,6 +285,7 @@ def start_metrics_server(port: int, addr: str, registry, loop_of, before=None):
             try:
                 super().process_request_thread(request, client_address)
             finally:
+                self.whole(request)
                 self.slots.release()
     _Server.address_family, addr = _get_best_family(addr, port)
     httpd = make_server(addr, port, app, _Server, handler_class=_Handler)

@@ -112,6 +112,7 @@ class RemotingConnection(asyncio.Protocol):
         self.attributes: dict = {}          # per-connection state owned by the handler side
         self.quiet_ticks = 0                # a server's housekeeping turns since the peer last sent a byte
         self.quiet_unsent = 0               # unread_bytes() at the last such turn (has the peer taken any since?)
+        self.frame_ticks = 0                # such turns the frame now arriving has stayed unfinished (close_quiet)
         self._decoder = FrameDecoder(max_frame_size)
         # opaque -> (future, deadline, request code, timeout); insertion order is the order requests left
         self._pending: dict[int, tuple[asyncio.Future, float, int, float]] = {}
@@ -213,6 +214,7 @@ class RemotingConnection(asyncio.Protocol):
             # (a dict look-up when nothing changed; with frames completed, what is left is of a frame begun since)
             self.read_budget.report(self, self._decoder.buffered, frames)
         if frames:
+            self.frame_ticks = 0            # what is left unfinished (if anything) began in this read
             self._spend()
         if self._backlog:                   # a turn is already scheduled: these wait behind it
             self._backlog.extend(frames)

@@ -3,8 +3,10 @@ them for everyone else, and what a client leaves behind must be reclaimed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import struct
 import time
 import urllib.request
 
@@ -1031,3 +1033,54 @@ async def test_a_lock_batch_of_a_frames_worth_of_queues_answers_each_once_and_ke
     finally:
         client.close()
         other.close()
+
+
+@bounded(60)
+async def test_a_frame_trickled_a_byte_at_a_time_is_closed_once_unfinished_for_channel_expire_ms(broker_factory):
+    """Every byte reset a connection's quiet count, so a client sending a frame a byte now and then (a partial
+    frame, then a byte every 100 s) held its connection, the frame's bytes and its address's room for good, and
+    nothing was said or counted. A frame left unfinished for channel_expire_ms is closed now, counted in
+    txmq_requests_refused_total{reason="unfinished-frame"} and said in a WARNING naming the address; a client
+    sending whole frames on another connection is served throughout."""
+    broker = broker_factory("--channel-expire-ms", "2000")
+    hostile = await RawClient.open(broker.broker, "127.0.0.3")
+    victim = await RawClient.open(broker.broker, "127.0.0.2")
+    try:
+        hostile.write(struct.pack(">i", 100_000))       # declares 100,000 bytes, sends a byte each 0.1 s
+        sent = 0
+        while sent < 300 and not hostile.closed.is_set():
+            hostile.write(b"\0")
+            sent += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(hostile.closed.wait(), 0.1)
+            if sent % 10 == 0:
+                assert (await _call(victim, R.GET_BROKER_RUNTIME_INFO)).code == C.SUCCESS
+        assert hostile.closed.is_set(), f"a frame trickled for {sent} bytes was never closed"
+        assert (await _call(victim, R.GET_BROKER_RUNTIME_INFO)).code == C.SUCCESS
+    finally:
+        hostile.close()
+        victim.close()
+    assert await asyncio.to_thread(_scraped, broker, 'txmq_requests_refused_total{reason="unfinished-frame"}') == 1
+    said = [line for line in broker.log().splitlines() if "stayed unfinished" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "127.0.0.3" in said[0], said
+
+
+@bounded(60)
+async def test_a_scrape_is_served_while_idle_connections_hold_every_metrics_thread(broker_factory):
+    """Sixteen connections to /metrics that send nothing (a port scanner, a health check that connects and waits,
+    a client reconnecting every 10 s) held all of the HTTP server's threads, and every Prometheus scrape was
+    answered 503 meanwhile. A scrape closes the idle one waiting longest and is served; the one line says so."""
+    import socket
+    from broker.metrics_http import IDLE_BEFORE_CLOSE_S, MAX_CONNECTIONS
+    broker = broker_factory()
+    host, _, port = broker.metrics.rpartition(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        await asyncio.sleep(IDLE_BEFORE_CLOSE_S)   # the broker's rule: only one idle this long is closed for another
+        for _ in range(3):
+            assert await asyncio.to_thread(_scraped, broker, "txmq_parked_pulls") == 0
+        assert await asyncio.to_thread(idle[0].recv, 1) == b""      # the first connected was closed for a scrape
+    finally:
+        for s in idle:
+            s.close()
+    assert broker.log().count("sent no request while all") == 1

@@ -20,6 +20,9 @@ class _Conn:
         self.unread = 0                 # what unread_bytes() says
         self.quiet_unsent = 0
         self.budget = None
+        self.unfinished_bytes = 0       # of a request frame not yet whole
+        self.frame_ticks = 0
+        self.on_refuse = None
 
     def unread_bytes(self):
         return self.unread
@@ -294,3 +297,61 @@ def test_a_refusal_past_max_connections_names_who_holds_them_and_what_to_do(capl
             gate.admit(_Conn(i))
     [line] = [r.getMessage() for r in caplog.records]
     assert "holding the most" not in line and "--max-connections" not in line, line
+
+
+def test_a_frame_unfinished_for_the_expiry_is_closed_but_not_while_the_broker_itself_stops_reading(caplog):
+    """A byte now and then kept a connection from being quiet, so a frame trickled in was held for good. A frame
+    unfinished for the expiry is closed (counted, said once); while the broker paused reading the connection (its
+    requests in progress past max_in_flight) the frame is not the peer's to finish, and its clock starts again."""
+    gate = ConnectionGate(10, 5, logging.getLogger("test"), "broker listener")
+    trickler, paused, whole = _Conn(1), _Conn(2), _Conn(3)
+    refused = []
+    for conn in (trickler, paused, whole):
+        assert gate.admit(conn) is None
+        conn.on_refuse = refused.append
+    trickler.unfinished_bytes = paused.unfinished_bytes = 7
+    paused.reading_paused = paused.handling = True
+    for _ in range(3):
+        trickler.quiet_ticks = paused.quiet_ticks = whole.quiet_ticks = 0   # a byte came in each sweep
+        with caplog.at_level(logging.WARNING):
+            gate.close_quiet(2)
+    assert (trickler.aborted, paused.aborted, whole.aborted) == (True, False, False)
+    assert refused == ["unfinished-frame"] and paused.frame_ticks == 0
+    said = [r.getMessage() for r in caplog.records if "stayed unfinished" in r.getMessage()]
+    assert len(said) == 1 and "10.0.0.1:1" in said[0], said
+
+
+def test_a_peer_gone_quiet_in_the_middle_of_a_frame_is_closed_as_quiet_not_as_a_trickled_frame(caplog):
+    """A peer that vanished part-way through a frame (its host down, the link cut during a large send) sent nothing
+    for the expiry: it was counted as txmq_requests_refused_total{reason="unfinished-frame"} and said at WARNING
+    as bytes "coming a few at a time", an alert for a hostile client where there was none. It is closed as any
+    quiet connection; a frame whose bytes kept trickling in is still closed as unfinished."""
+    gate = ConnectionGate(10, 5, logging.getLogger("test"), "broker listener")
+    gone, trickler = _Conn(1), _Conn(2)
+    refused = []
+    for conn in (gone, trickler):
+        assert gate.admit(conn) is None
+        conn.on_refuse = refused.append
+        conn.unfinished_bytes = 7
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            trickler.quiet_ticks = 0                    # a byte came in each sweep; none from the gone one
+            gate.close_quiet(2)
+    assert (gone.aborted, trickler.aborted) == (True, True)
+    assert refused == ["unfinished-frame"]
+    said = [r.getMessage() for r in caplog.records if "stayed unfinished" in r.getMessage()]
+    assert len(said) == 1 and "10.0.0.1:2" in said[0], said
+
+
+def test_a_zero_expiry_is_refused_at_start_naming_the_setting():
+    """--channel-expire-ms 0 (RocketMQ's serverChannelMaxIdleTimeSeconds=0 turns its idle close off) was taken: the
+    sweep's interval came to 0 s and its count of sweeps divided 0 by 0: the housekeeping task (quiet and
+    unfinished-frame closes, client expiry) crashed as it began, again at each restart, until its supervisor
+    stopped the broker. Refused at start now, as a name server's 0."""
+    from broker.config import BrokerConfig
+    from broker.namesrv.config import NamesrvConfig
+    from protocol.errors import ConfigError
+    for make, name in ((BrokerConfig, "channel_expire_ms"), (NamesrvConfig, "broker_expire_ms"),
+                       (NamesrvConfig, "scan_interval_ms")):
+        with pytest.raises(ConfigError, match=name):
+            make(**{name: 0})

@@ -199,18 +199,27 @@ async def test_a_client_that_connects_and_never_sends_is_dropped_after_the_read_
 
 @bounded(60)
 async def test_connections_past_the_cap_are_answered_503_at_once_not_given_a_thread(monkeypatch, caplog):
-    """A loop blocked for 30 s held a thread a scrape for 30 s, and nothing bounded how many."""
+    """A loop blocked for 30 s held a thread a scrape for 30 s, and nothing bounded how many. (Every thread here
+    holds a whole request, its page waiting for a loop that does not run: none is closed for a newcomer.)"""
     import threading
     import urllib.error
     import urllib.request
     import broker.metrics_http as mh
     monkeypatch.setattr(mh, "READ_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(mh, "RENDER_TIMEOUT_S", 5.0)    # the stalled pages end (503) within the retries below
     loop = asyncio.get_running_loop()
-    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop)
+    stalled = asyncio.new_event_loop()      # never run: a page asked of it waits its RENDER_TIMEOUT_S
+    held_loop = [stalled]
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry,
+                                    lambda: held_loop[0])
     port = httpd.server_address[1]
     url = f"http://127.0.0.1:{port}/metrics"
     before = sum("process_request_thread" in t.name for t in threading.enumerate())
-    held = _idle_connections(port, mh.MAX_CONNECTIONS + 5)
+    held = _idle_connections(port, mh.MAX_CONNECTIONS)
+    for s in held:
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    await _until(lambda: not httpd.waiting)         # every request read: each thread waits for its page
+    held += _idle_connections(port, 5)
     try:
         await _refused_503(url, caplog, b"too many connections")
         serving = [t for t in threading.enumerate() if "process_request_thread" in t.name]
@@ -220,6 +229,7 @@ async def test_connections_past_the_cap_are_answered_503_at_once_not_given_a_thr
         assert caplog.text.count("served already") == 1, caplog.text
         for s in held:
             s.close()
+        held_loop[0] = loop         # the stalled pages end at RENDER_TIMEOUT_S, and their threads
         for _ in range(200):        # their threads see the close and end; a scrape has a thread again
             try:
                 page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
@@ -228,6 +238,96 @@ async def test_connections_past_the_cap_are_answered_503_at_once_not_given_a_thr
                 assert exc.code == 503
                 await asyncio.sleep(0.05)
         assert b'rocketmq_messages_in_total{topic="T2"} 2.0' in page
+    finally:
+        for s in held:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
+        # (its loop run a moment: the pages' renderings, cancelled, end there, not left unawaited at its close)
+        await asyncio.to_thread(stalled.run_until_complete, asyncio.sleep(0.01))
+        stalled.close()
+
+
+def _serving() -> int:
+    import threading
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+async def _until(done, tries: int = 400) -> None:
+    for _ in range(tries):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never came about")
+
+
+@bounded(60)
+async def test_a_connection_closed_for_a_scrape_is_not_served_the_request_line_it_had_begun(monkeypatch):
+    """A connection closed to make room for a scrape, that had sent part of its request line ("GET /metrics", no
+    line end), read that part at the close as a whole HTTP/0.9 request and was served a page: a render for a dead
+    socket, its thread (the one the scrape waited for, ROOM_WAIT_S) held until it was done, a 503 for the scrape
+    past that. It ends at once now, nothing rendered; the scrape's is the one page."""
+    import urllib.request
+    import broker.metrics_http as mh
+    monkeypatch.setattr(mh, "READ_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(mh, "IDLE_BEFORE_CLOSE_S", 0.0)
+    loop = asyncio.get_running_loop()
+    pages = []
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop,
+                                    before=lambda: pages.append(1))
+    port = httpd.server_address[1]
+    before = _serving()
+    held = _idle_connections(port, mh.MAX_CONNECTIONS)
+    for s in held:
+        s.sendall(b"GET /metrics")
+    await _until(lambda: _serving() - before == mh.MAX_CONNECTIONS)
+    try:
+        page = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read())
+        assert b'rocketmq_messages_in_total{topic="T2"} 2.0' in page
+        assert await asyncio.to_thread(held[0].recv, 1) == b""
+        await _until(lambda: _serving() - before == mh.MAX_CONNECTIONS - 1)    # its thread ended
+        assert len(pages) == 1, pages
+    finally:
+        for s in held:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@bounded(60)
+async def test_idle_connections_holding_every_thread_make_room_for_a_scrape(monkeypatch, caplog):
+    """MAX_CONNECTIONS connections that connect and send nothing (a port scanner, a health check that waits, a
+    hostile client reconnecting every READ_TIMEOUT_S) held every thread, and each scrape meanwhile was answered
+    503. A new connection past the cap closes the one waiting longest for its request (if it has waited
+    IDLE_BEFORE_CLOSE_S): scrapes are served, the idle ones closed oldest first, said once."""
+    import select
+    import urllib.request
+    import broker.metrics_http as mh
+    monkeypatch.setattr(mh, "READ_TIMEOUT_S", 30.0)
+    loop = asyncio.get_running_loop()
+    httpd = mh.start_metrics_server(0, "127.0.0.1", _busy_metrics(topics=3, groups=2).registry, lambda: loop)
+    port = httpd.server_address[1]
+    url = f"http://127.0.0.1:{port}/metrics"
+    before = _serving()
+    held = _idle_connections(port, mh.MAX_CONNECTIONS)
+    await _until(lambda: _serving() - before == mh.MAX_CONNECTIONS)     # a thread each, every one taken
+    try:
+        # One connected a moment ago is not closed for a newcomer: a flood of connections must not close a
+        # scraper's before its request is read.
+        monkeypatch.setattr(mh, "IDLE_BEFORE_CLOSE_S", 30.0)
+        await _refused_503(url, caplog, b"too many connections")
+        monkeypatch.setattr(mh, "IDLE_BEFORE_CLOSE_S", 0.0)
+        with caplog.at_level("WARNING", logger="txmq.metrics"):
+            for _ in range(3):
+                page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+                assert b'rocketmq_messages_in_total{topic="T2"} 2.0' in page
+        held[0].settimeout(10)      # the one connected first was closed for the first
+        assert await asyncio.to_thread(held[0].recv, 1) == b""
+        ended, _, _ = select.select(held, [], [], 0)
+        closed = [held.index(s) for s in ended]     # oldest first, one for a scrape that found no thread free
+        assert closed == list(range(len(closed))) and 1 <= len(closed) <= 3, closed
+        assert caplog.text.count("sent no request while all") == 1, caplog.text
     finally:
         for s in held:
             s.close()
