@@ -127,9 +127,10 @@ class PlanFile:
         st = os.fstat(self.fh.fileno())
         return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    def scan(self) -> dict:
+    def scan(self, each=None) -> dict:
         """The plan's top-level object, its "halves" (when a list) left out: ``self.count`` of them, each an object
-        or ``self.not_object`` set (the admin refuses the plan as the broker would). Raises ValueError."""
+        or ``self.not_object`` set (the admin refuses the plan as the broker would), and each given to ``each``
+        when given (``self.head`` then holds the members before the halves). Raises ValueError."""
         self.count, self.not_object, self.listed, self._nth = 0, False, False, 0
         lists = 0
 
@@ -142,12 +143,16 @@ class PlanFile:
             for half in items:
                 count += 1
                 not_object = not_object or not isinstance(half, dict)
+                if each is not None:
+                    each(half)
             self.count, self.not_object, self._nth = count, not_object, lists
             return _LISTED
 
         self.fh.seek(0)
         self.stat = self._stat()
-        self.head = dict(_Reader(self.fh).members(on_list))
+        self.head = {}
+        for key, value in _Reader(self.fh).members(on_list):
+            self.head[key] = value
         self.listed = self.head.get("halves") is _LISTED
         if self.listed:
             self.head["halves"] = None

@@ -9,7 +9,7 @@ import pytest
 
 from ops.spark import PlanError, validate_plan
 from ops.spark import segments as seg
-from ops.spark.plan import write_plan, write_plan_streaming
+from ops.spark.plan import MAX_PROBLEMS, validate_plan_file, write_plan, write_plan_streaming
 from ops.spark.snapshots import parse_line
 from tests.spark.storegen import StoreBuilder
 
@@ -219,9 +219,84 @@ def test_a_plan_that_is_a_mount_point_of_its_own_is_a_clear_error(tmp_path, monk
     ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "must be integers"),
     ({"segments": [dict(_seg("0" * 20, 1, 2), start_offset=5)]}, "do not fit"),
 ])
-def test_validate_plan_refuses_bad_plans(change, message):
+def test_validate_plan_refuses_bad_plans(change, message, tmp_path):
     with pytest.raises(PlanError, match=message):
         validate_plan(_plan(**change))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(**change)))
+    with pytest.raises(PlanError, match=message):       # (read from its file a half at a time: the same)
+        validate_plan_file(str(path))
+
+
+def _many_halves(plan, n, **over):
+    return [{**plan["halves"][0], "commit_log_offset": 10 + i, "uniq_key": f"U{i:08d}", **over} for i in range(n)]
+
+
+def test_validate_plan_of_a_big_plan_file_holds_none_of_its_halves(tmp_path, capsys):
+    """`ops.spark validate-plan` json.load-ed the plan: 880 MB of memory for 1M halves (a 170 MB plan), 10M past
+    what a host has. It reads the halves one at a time now; its answer is the same."""
+    import tracemalloc
+
+    from ops.spark.cli import main
+
+    plan = _plan()
+    path = str(tmp_path / "plan.json")
+    write_plan(plan, path)
+    assert main(["validate-plan", path]) == 0       # (what it imports, imported before memory is traced)
+    capsys.readouterr()
+    assert write_plan_streaming(plan, iter(_many_halves(plan, 20_000)), path) == 20_000
+    size = os.path.getsize(path)
+    assert size > 2_500_000
+    tracemalloc.start()
+    try:
+        assert main(["validate-plan", path]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert json.loads(capsys.readouterr().out) == {"valid": True, "halves": 20_000, "segments": 1}
+    assert peak < size / 4, (peak, size)            # (json.load of it: some 5 times its size)
+
+
+def test_a_plan_with_many_bad_halves_is_refused_naming_the_first_and_counting_the_others(tmp_path):
+    """A plan made with another retention (every half young by this one) was refused naming each half: one
+    stderr line of ~100 bytes a half (100 MB for 1M halves), every one held until then."""
+    plan = _plan()
+    halves = _many_halves(plan, 1_000, store_timestamp=plan["now_ms"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "halves": halves}))
+    for check in (lambda: validate_plan({**plan, "halves": halves}), lambda: validate_plan_file(str(path))):
+        with pytest.raises(PlanError) as err:
+            check()
+        said = str(err.value)
+        assert said.count("store_timestamp") == MAX_PROBLEMS and "halves[0]: store_timestamp" in said
+        assert said.endswith(f"; and {1_000 - MAX_PROBLEMS} more problems")
+
+
+def test_a_plan_file_out_of_order_cut_short_or_with_its_fields_last_is_checked_as_a_whole_one(tmp_path):
+    """validate_plan_file finds a half listed twice without a set of them all when they come in order (as the expiry
+    job writes them) and with one when not; a plan whose fields follow its halves (written by hand) is checked all
+    the same; one cut short is refused."""
+    plan = _plan()
+    halves = _many_halves(plan, 5)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "halves": halves[3:] + halves}))
+    with pytest.raises(PlanError, match=re.escape("halves[5]: commit_log_offset 13 is listed twice; halves[6]: "
+                                                  "commit_log_offset 14 is listed twice")):
+        validate_plan_file(str(path))
+    path.write_text(json.dumps({**plan, "halves": halves[::-1]}))
+    assert validate_plan_file(str(path))["halves"] == 5
+    last = {"halves": halves[::-1] + [{**halves[0], "commit_log_offset": 1, "store_timestamp": plan["now_ms"]}],
+            **{k: v for k, v in plan.items() if k != "halves"}}
+    path.write_text(json.dumps(last))
+    with pytest.raises(PlanError, match=r"^halves\[5\]: store_timestamp"):
+        validate_plan_file(str(path))
+    write_plan_streaming(plan, iter(halves), str(path))
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(PlanError, match="cannot read the expiry plan"):
+        validate_plan_file(str(path))
+    with pytest.raises(PlanError, match="cannot read the expiry plan"):
+        validate_plan_file(str(tmp_path / "missing.json"))
 
 
 def test_validate_plan_refuses_unreadable_input(tmp_path):
