@@ -127,10 +127,12 @@ class PlanFile:
         st = os.fstat(self.fh.fileno())
         return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    def scan(self, each=None) -> dict:
+    def scan(self, on_halves=None) -> dict:
         """The plan's top-level object, its "halves" (when a list) left out: ``self.count`` of them, each an object
-        or ``self.not_object`` set (the admin refuses the plan as the broker would), and each given to ``each``
-        when given (``self.head`` then holds the members before the halves). Raises ValueError."""
+        or ``self.not_object`` set (the admin refuses the plan as the broker would). ``on_halves()``, when given,
+        is called as a "halves" list begins (``self.head`` then holds the members before it) and returns the
+        function each of its members is given to (a plan with "halves" twice: the last list is the plan's, as
+        json.load's; each list's call starts afresh). Raises ValueError."""
         self.count, self.not_object, self.listed, self._nth = 0, False, False, 0
         lists = 0
 
@@ -140,6 +142,7 @@ class PlanFile:
                 return list(items)
             lists += 1
             count, not_object = 0, False
+            each = on_halves() if on_halves is not None else None
             for half in items:
                 count += 1
                 not_object = not_object or not isinstance(half, dict)

@@ -127,8 +127,13 @@ def validate_plan_file(path: str) -> dict:
     Raises PlanError as validate_plan() does (a file written over in place while it is read again: PlanError)."""
     from broker.plan_stream import PlanFile     # (pure Python, as here: no broker is started)
 
-    problems = _Problems()
-    state = {"i": 0, "last": None, "sorted": True, "cutoff": None}
+    problems, state = _Problems(), {}
+
+    def on_halves():        # (a plan with "halves" twice: the last is the plan's, as json.load's)
+        nonlocal problems
+        problems = _Problems()
+        state.update(i=0, last=None, sorted=True, cutoff=None)
+        return each
 
     def each(h):
         if state["cutoff"] is None:
@@ -148,9 +153,10 @@ def validate_plan_file(path: str) -> dict:
     except OSError as exc:
         raise PlanError(f"cannot read the expiry plan: {exc}") from None
     try:
-        head = plan.scan(each=each)
+        head = plan.scan(on_halves)
         cutoff = _head_cutoff(head)
         if not plan.listed:
+            problems = _Problems()          # (of a "halves" list a later "halves" replaced)
             problems.add(["halves must be a list"])
         elif state["cutoff"] is None:       # (its fields after its halves: a plan written by hand)
             state["cutoff"] = cutoff
