@@ -158,8 +158,12 @@ def validate_plan_file(path: str) -> dict:
         if not plan.listed:
             problems = _Problems()          # (of a "halves" list a later "halves" replaced)
             problems.add(["halves must be a list"])
-        elif state["cutoff"] is None:       # (its fields after its halves: a plan written by hand)
-            state["cutoff"] = cutoff
+        elif state["cutoff"] != cutoff:
+            # (its fields after its halves, or given again after them, of a key given twice the last counting: a
+            # plan written by hand. Checked by the fields before them, a plan whose now_ms was given again after
+            # its halves passed with every half young by its own cutoff.)
+            problems = _Problems()
+            state.update(i=0, last=None, sorted=True, cutoff=cutoff)
             for h in plan.halves():
                 each(h)
         if plan.listed and not state["sorted"]:

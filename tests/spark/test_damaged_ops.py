@@ -122,6 +122,9 @@ def test_halves_held_back_are_counted_and_only_the_first_named(spark, store, mon
         got = expiry.build_plan(spark, store["dir"], retention_ms=RETENTION, now_ms=NOW)
     assert got["report"]["damaged_ops"]["unsettled_halves"] == [store["garbled"].offset]
     assert got["report"]["damaged_ops"]["unsettled"] == 2
+    listed = {h["commit_log_offset"] for h in got["halves"]}
+    assert store["open"].offset in listed                   # (the plan made, and the unnamed held back all the same:)
+    assert not listed & {store["garbled"].offset, store["zeroed"].offset}
     assert any("expiry: 2 half message(s) older than the retention are not listed" in r.getMessage()
                and "the report names the first 1" in r.getMessage() for r in caplog.records)
 

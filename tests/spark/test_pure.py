@@ -299,6 +299,27 @@ def test_a_plan_file_out_of_order_cut_short_or_with_its_fields_last_is_checked_a
         validate_plan_file(str(tmp_path / "missing.json"))
 
 
+def test_a_plan_file_whose_retention_is_given_again_after_its_halves_is_checked_by_the_last(tmp_path):
+    """Of a key given twice the last counts (json.load's, the broker's): validate_plan_file checked the halves
+    against the cutoff of the fields before them, so a plan whose now_ms or retention_ms is given again after its
+    halves was found valid with every half young by its own cutoff (and one old by it refused)."""
+    plan = _plan()
+    head = {k: v for k, v in plan.items() if k != "segments"}
+    path = tmp_path / "plan.json"
+    for late in (f'"now_ms": {plan["now_ms"] - plan["retention_ms"]}',       # (its half young by either)
+                 f'"retention_ms": {plan["retention_ms"] + 2}'):
+        path.write_text(json.dumps(head)[:-1] + f', "segments": [], {late}}}')
+        with pytest.raises(PlanError, match=r"halves\[0\]: store_timestamp"):
+            validate_plan(str(path))
+        with pytest.raises(PlanError, match=r"halves\[0\]: store_timestamp"):
+            validate_plan_file(str(path))
+    # and the other way: the fields before the halves would refuse them, the last ones take them
+    early = {**head, "retention_ms": plan["retention_ms"] * 2}
+    path.write_text(json.dumps(early)[:-1] + f', "segments": [], "retention_ms": {plan["retention_ms"]}}}')
+    assert validate_plan(str(path))["retention_ms"] == plan["retention_ms"]
+    assert validate_plan_file(str(path))["halves"] == 1
+
+
 def test_validate_plan_refuses_unreadable_input(tmp_path):
     with pytest.raises(PlanError, match="cannot read"):
         validate_plan(str(tmp_path / "missing.json"))
