@@ -239,7 +239,10 @@ def _read_plan(path: str, halves_a_request: int = PLAN_SLICE):
     JSON) or PlanRefused: what the broker would refuse in one part only, the parts before it applied."""
     if os.path.getsize(path) <= PART_BYTES:
         with open(path, "rb") as fh:
-            plan = json.load(fh)
+            try:
+                plan = json.load(fh)
+            except RecursionError:      # (as PlanFile's reader says it)
+                raise ValueError("a value nested too deep to read") from None
         if isinstance(plan, dict):
             check_plan_lists(plan)
         return plan

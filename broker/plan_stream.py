@@ -57,6 +57,8 @@ class _Reader:
         while True:
             try:
                 val, end = _decoder.raw_decode(self.buf, self.pos)
+            except RecursionError:      # (a value of lists or objects thousands deep: a traceback, not an answer)
+                raise ValueError(f"a value nested too deep to read at character {self.done + self.pos}") from None
             except json.JSONDecodeError as exc:
                 # Read on only when the value may be cut by the buffer's end: an error elsewhere is in the file (a
                 # big plan wrong near its start was read whole into the buffer first, 2.7 times its size).

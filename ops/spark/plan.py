@@ -104,6 +104,8 @@ def validate_plan(source) -> dict:
                     plan = json.load(f)
         except (OSError, ValueError) as exc:
             raise PlanError(f"cannot read the expiry plan: {exc}") from None
+        except RecursionError:      # (as validate_plan_file's reader says it)
+            raise PlanError("cannot read the expiry plan: a value nested too deep to read") from None
     cutoff = _head_cutoff(plan)
     problems = _Problems()
     halves = plan.get("halves")

@@ -327,6 +327,20 @@ def test_validate_plan_refuses_unreadable_input(tmp_path):
         validate_plan(b"{not json")
 
 
+def test_a_plan_nested_too_deep_to_read_is_refused_not_a_traceback(tmp_path):
+    """A half nested 100,000 lists deep (a plan written by hand, or damaged) made json.load and the plan's reader
+    raise RecursionError: `validate-plan` ended in a traceback, not "cannot read the expiry plan", exit 1."""
+    from ops.spark.cli import main
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(halves=[]))[:-1].replace('"halves": []', '"halves": [' + "[" * 100_000
+                                                              + "]" * 100_000 + "]") + "}")
+    for check in (validate_plan, validate_plan_file):
+        with pytest.raises(PlanError, match="cannot read the expiry plan: .*nested too deep"):
+            check(str(path))
+    assert main(["validate-plan", str(path)]) == 1
+
+
 def test_the_last_chunk_says_where_the_data_ends_and_an_unreadable_file_is_an_err_row(tmp_path):
     d, written = _store(tmp_path)
     segments = seg.list_segments(d)

@@ -200,6 +200,21 @@ def test_a_big_plan_is_read_twice_its_parts_cut_as_it_is_checked(tmp_path, monke
     assert code == 0 and seen["n"] == 900 and len(reads) == 1 and seen["parts"] == len(admin.plan_parts(plan, 70))
 
 
+def test_a_plan_nested_too_deep_to_read_is_refused_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A half nested 100,000 lists deep: json.load (a small plan) and the big plan's reader raised RecursionError, a
+    traceback, not "cannot read plan", exit 2. Neither is sent."""
+    from broker import admin
+
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "plan.json"
+    for pad in (0, 5 * 1024 * 1024):            # (read whole, and read value by value: over PART_BYTES)
+        path.write_text(json.dumps({**HEADER, "report": "x" * pad, "halves": []})[:-2] + deep + "]}")
+        monkeypatch.setattr(admin, "open_connection", None)     # (never reached)
+        assert admin.main(["apply-expiry", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot read plan {path}: " in err and "nested too deep" in err, err
+
+
 def test_a_big_plan_that_is_not_one_is_refused_before_any_part_is_sent(tmp_path, monkeypatch):
     from broker import admin
 
