@@ -185,9 +185,11 @@ def _say_damaged_ops(d: dict) -> None:
         log.error("expiry: %d op record(s) cannot be read (damaged properties), %d of them naming no half; the "
                   "broker settles them at its next start (see its log)", d["unreadable"], d["unplaced"])
     if d["unsettled_halves"]:
+        named = len(d["unsettled_halves"])
         log.error("expiry: %d half message(s) older than the retention are not listed: an op record of theirs that "
-                  "cannot be read may have decided them (first: %d; the report names the first %d); the broker "
-                  "settles them at its next start", d["unsettled"], d["unsettled_halves"][0], UNSETTLED_LISTED)
+                  "cannot be read may have decided them (first: %d; the report names %s); the broker settles them "
+                  "at its next start", d["unsettled"], d["unsettled_halves"][0],
+                  "them all" if named >= d["unsettled"] else f"the first {named}")
 
 
 def _report(spark, scan, names: list[str], offsets) -> dict:

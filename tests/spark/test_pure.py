@@ -588,3 +588,22 @@ def test_a_record_whose_transaction_type_bit_flipped_is_counted_as_the_broker_se
     _, traffic, queues = _totals(_rows(seg.plan_chunks(d, 1 << 40)[1]))
     assert sum(t[0] for k, t in traffic.items() if k[1] == "Orders") == 3
     assert [q[3] for k, q in queues.items() if k[1] == "Orders"] == [2]
+
+
+def test_the_error_line_of_halves_held_back_says_how_many_the_report_names(caplog):
+    """The ERROR line said "the report names the first 1000" of 2 halves held back (UNSETTLED_LISTED, whatever the
+    report held): it says how many it names, and that they are the first only when some are not named."""
+    import logging
+
+    from ops.spark import expiry
+
+    said = {}
+    for held in ([5, 9], list(range(expiry.UNSETTLED_LISTED))):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="ops.spark"):
+            expiry._say_damaged_ops({"misnamed": 0, "unreadable": 0, "unplaced": 0, "unsettled_halves": held,
+                                     "unsettled": len(held) * (1 if len(held) == 2 else 3)})
+        said[len(held)] = caplog.records[-1].getMessage()
+    assert "(first: 5; the report names them all)" in said[2], said[2]
+    n = expiry.UNSETTLED_LISTED
+    assert f"expiry: {3 * n} half message(s)" in said[n] and f"the report names the first {n})" in said[n], said[n]
