@@ -57,6 +57,8 @@ class _Reader:
         while True:
             try:
                 val, end = _decoder.raw_decode(self.buf, self.pos)
+            except RecursionError:      # (a value of lists or objects thousands deep: a traceback, not an answer)
+                raise ValueError(f"a value nested too deep to read at character {self.done + self.pos}") from None
             except json.JSONDecodeError as exc:
                 # Read on only when the value may be cut by the buffer's end: an error elsewhere is in the file (a
                 # big plan wrong near its start was read whole into the buffer first, 2.7 times its size).
@@ -127,9 +129,12 @@ class PlanFile:
         st = os.fstat(self.fh.fileno())
         return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    def scan(self) -> dict:
+    def scan(self, on_halves=None) -> dict:
         """The plan's top-level object, its "halves" (when a list) left out: ``self.count`` of them, each an object
-        or ``self.not_object`` set (the admin refuses the plan as the broker would). Raises ValueError."""
+        or ``self.not_object`` set (the admin refuses the plan as the broker would). ``on_halves()``, when given,
+        is called as a "halves" list begins (``self.head`` then holds the members before it) and returns the
+        function each of its members is given to (a plan with "halves" twice: the last list is the plan's, as
+        json.load's; each list's call starts afresh). Raises ValueError."""
         self.count, self.not_object, self.listed, self._nth = 0, False, False, 0
         lists = 0
 
@@ -139,15 +144,20 @@ class PlanFile:
                 return list(items)
             lists += 1
             count, not_object = 0, False
+            each = on_halves() if on_halves is not None else None
             for half in items:
                 count += 1
                 not_object = not_object or not isinstance(half, dict)
+                if each is not None:
+                    each(half)
             self.count, self.not_object, self._nth = count, not_object, lists
             return _LISTED
 
         self.fh.seek(0)
         self.stat = self._stat()
-        self.head = dict(_Reader(self.fh).members(on_list))
+        self.head = {}
+        for key, value in _Reader(self.fh).members(on_list):
+            self.head[key] = value
         self.listed = self.head.get("halves") is _LISTED
         if self.listed:
             self.head["halves"] = None

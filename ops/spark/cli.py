@@ -16,7 +16,7 @@ from protocol.logline import OneLineFormatter
 from protocol.errors import StoreError
 
 from .load import DEFAULT_CHUNK_BYTES
-from .plan import PlanError, plan_target, validate_plan
+from .plan import PlanError, plan_target, validate_plan_file
 from .publish import PublishError, check_tables
 from .segments import require_store
 
@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("ops.spark")
     if args.command == "validate-plan":
         try:
-            plan = validate_plan(args.plan)
+            plan = validate_plan_file(args.plan)
         except PlanError as exc:
             print(f"validate-plan: {exc}", file=sys.stderr)
             return 1
-        print(json.dumps({"valid": True, "halves": len(plan["halves"]), "segments": len(plan["segments"])}))
+        print(json.dumps({"valid": True, "halves": plan["halves"], "segments": len(plan["segments"])}))
         return 0
 
     try:        # before a JVM starts: a wrong path costs a second, not a Spark session

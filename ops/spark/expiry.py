@@ -80,6 +80,9 @@ def group_offsets(offsets) -> list[tuple[str, str, int, int]]:
 AHEAD_SLACK_MS = 60_000
 
 
+# Of the halves an op record that cannot be read may have decided, the ones the plan's report names (all counted).
+UNSETTLED_LISTED = 1000
+
 # Halves the driver holds at a time while it writes a plan (a partition of the sorted list; about 100 MB of it).
 HALVES_A_PARTITION = 100_000
 
@@ -105,9 +108,11 @@ def build_plan(spark, store_dir: str, *, retention_ms: int, now_ms: int, skip_da
         expired = open_halves(summary).where(F.col("half_ts") < cutoff).select(
             F.col("half").alias("commit_log_offset"), "queue_offset", "producer_group",
             F.col("real_topic").alias("topic"), F.col("half_ts").alias("store_timestamp"), "uniq_key")
-        held = [r["half"] for r in summary.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull()
-                                                 & (F.col("h.ts") < cutoff)).orderBy("half").collect()]
-        damaged_ops = {**op_damage(rec), "unsettled_halves": held}
+        held = summary.where(F.col("unsettled").isNotNull() & F.col("h").isNotNull() & (F.col("h.ts") < cutoff))
+        # Counted, the first UNSETTLED_LISTED named: collected whole, a damaged run of op records (one a half) put
+        # every half it held back on the driver and in the plan's report, without bound.
+        damaged_ops = {**op_damage(rec), "unsettled": held.count(),
+                       "unsettled_halves": [r["half"] for r in held.orderBy("half").limit(UNSETTLED_LISTED).collect()]}
         per_segment = {r["segment"]: r for r in (
             scan.queues.groupBy("segment")
             .agg(F.min("store_ts").alias("first"), F.max("ts_max").alias("last"), F.sum("n").alias("records"))
@@ -180,9 +185,11 @@ def _say_damaged_ops(d: dict) -> None:
         log.error("expiry: %d op record(s) cannot be read (damaged properties), %d of them naming no half; the "
                   "broker settles them at its next start (see its log)", d["unreadable"], d["unplaced"])
     if d["unsettled_halves"]:
+        named = len(d["unsettled_halves"])
         log.error("expiry: %d half message(s) older than the retention are not listed: an op record of theirs that "
-                  "cannot be read may have decided them (first: %d); the broker settles them at its next start",
-                  len(d["unsettled_halves"]), d["unsettled_halves"][0])
+                  "cannot be read may have decided them (first: %d; the report names %s); the broker settles them "
+                  "at its next start", d["unsettled"], d["unsettled_halves"][0],
+                  "them all" if named >= d["unsettled"] else f"the first {named}")
 
 
 def _report(spark, scan, names: list[str], offsets) -> dict:

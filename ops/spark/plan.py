@@ -60,11 +60,38 @@ def _half_problems(where: str, h, cutoff: int) -> list[str]:
     return problems
 
 
+MAX_PROBLEMS = 20         # said of a plan refused; the others counted ("and N more")
+
+
+class _Problems:
+    """What is wrong with a plan: the first MAX_PROBLEMS kept, the others counted. A plan of 1M halves all wrong (a
+    plan made with another retention) was refused in one stderr line of ~100 MB, each problem kept until then."""
+
+    def __init__(self):
+        self.first: list[str] = []
+        self.more = 0
+
+    def add(self, problems) -> None:
+        for p in problems:
+            if len(self.first) < MAX_PROBLEMS:
+                self.first.append(p)
+            else:
+                self.more += 1
+
+    def __bool__(self) -> bool:
+        return bool(self.first)
+
+    def error(self) -> PlanError:
+        more = f"; and {self.more} more problem{'' if self.more == 1 else 's'}" if self.more else ""
+        return PlanError("; ".join(self.first) + more)
+
+
 def validate_plan(source) -> dict:
     """Check a plan (a path, JSON text/bytes, or an already parsed dict); return it as a dict.
 
-    Raises PlanError naming every problem. A valid plan expires only halves and segments
-    whose store timestamps are strictly older than now_ms - retention_ms.
+    Raises PlanError naming the problems found (the first MAX_PROBLEMS, the others counted). A valid plan expires
+    only halves and segments whose store timestamps are strictly older than now_ms - retention_ms. (A file checked
+    without holding its halves: validate_plan_file.)
     """
     if isinstance(source, dict):
         plan = source
@@ -77,11 +104,101 @@ def validate_plan(source) -> dict:
                     plan = json.load(f)
         except (OSError, ValueError) as exc:
             raise PlanError(f"cannot read the expiry plan: {exc}") from None
+        except RecursionError:      # (as validate_plan_file's reader says it)
+            raise PlanError("cannot read the expiry plan: a value nested too deep to read") from None
+    cutoff = _head_cutoff(plan)
+    problems = _Problems()
+    halves = plan.get("halves")
+    if not isinstance(halves, list):
+        problems.add(["halves must be a list"])
+        halves = []
+    for i, h in enumerate(halves):
+        problems.add(_half_problems(f"halves[{i}]", h, cutoff))
+    problems.add(_listed_twice(halves))
+    problems.add(_segment_problems(plan.get("segments"), cutoff))
+    if problems:
+        raise problems.error()
+    return plan
+
+
+def validate_plan_file(path: str) -> dict:
+    """validate_plan() of the plan file at ``path`` without holding its halves (`ops.spark validate-plan`): the
+    plan's top-level object with "halves" replaced by how many it lists. json.load of a plan of 1M halves (a 170 MB
+    file) took 880 MB. Its halves are read one at a time; a plan whose halves come in increasing commit log offset
+    (as the expiry job writes them) needs no set of them to find one listed twice, any other is read again with one.
+    Raises PlanError as validate_plan() does (a file written over in place while it is read again: PlanError)."""
+    from broker.plan_stream import PlanFile     # (pure Python, as here: no broker is started)
+
+    problems, state = _Problems(), {}
+
+    def on_halves():        # (a plan with "halves" twice: the last is the plan's, as json.load's)
+        nonlocal problems
+        problems = _Problems()
+        state.update(i=0, last=None, sorted=True, cutoff=None)
+        return each
+
+    def each(h):
+        if state["cutoff"] is None:
+            try:        # (the plan's fields before its halves, as the expiry job writes them)
+                state["cutoff"] = _head_cutoff(plan.head)
+            except PlanError:
+                return  # (not yet read, or wrong: said once the whole head is read, the halves checked after)
+        i, state["i"] = state["i"], state["i"] + 1
+        problems.add(_half_problems(f"halves[{i}]", h, state["cutoff"]))
+        if isinstance(h, dict) and _is_int(h.get("commit_log_offset")):
+            if state["last"] is not None and h["commit_log_offset"] <= state["last"]:
+                state["sorted"] = False
+            state["last"] = h["commit_log_offset"]
+
+    try:
+        plan = PlanFile(path)
+    except OSError as exc:
+        raise PlanError(f"cannot read the expiry plan: {exc}") from None
+    try:
+        head = plan.scan(on_halves)
+        cutoff = _head_cutoff(head)
+        if not plan.listed:
+            problems = _Problems()          # (of a "halves" list a later "halves" replaced)
+            problems.add(["halves must be a list"])
+        elif state["cutoff"] != cutoff:
+            # (its fields after its halves, or given again after them, of a key given twice the last counting: a
+            # plan written by hand. Checked by the fields before them, a plan whose now_ms was given again after
+            # its halves passed with every half young by its own cutoff.)
+            problems = _Problems()
+            state.update(i=0, last=None, sorted=True, cutoff=cutoff)
+            for h in plan.halves():
+                each(h)
+        if plan.listed and not state["sorted"]:
+            problems.add(_listed_twice(plan.halves()))
+        problems.add(_segment_problems(head.get("segments"), cutoff))
+    except ValueError as exc:               # (not JSON, cut short, not UTF-8, written over: PlanChanged)
+        if isinstance(exc, PlanError):
+            raise
+        raise PlanError(f"cannot read the expiry plan: {exc}") from None
+    finally:
+        plan.close()
+    if problems:
+        raise problems.error()
+    return {**head, "halves": plan.count if plan.listed else head.get("halves")}
+
+
+def _listed_twice(halves):
+    """The halves (an iterable) whose commit_log_offset one before them has."""
+    seen = set()
+    for i, h in enumerate(halves):
+        if isinstance(h, dict) and _is_int(h.get("commit_log_offset")):
+            if h["commit_log_offset"] in seen:
+                yield f"halves[{i}]: commit_log_offset {h['commit_log_offset']} is listed twice"
+            seen.add(h["commit_log_offset"])
+
+
+def _head_cutoff(plan) -> int:
+    """now_ms - retention_ms of a plan whose fields but its lists are right; PlanError naming what is not."""
     if not isinstance(plan, dict):
         raise PlanError("the expiry plan is not a JSON object")
-    problems: list[str] = []
     if plan.get("version") != PLAN_VERSION:
         raise PlanError(f"expiry plan version {plan.get('version')!r} is not {PLAN_VERSION}")
+    problems: list[str] = []
     if not isinstance(plan.get("store_id"), str) or not plan["store_id"]:
         problems.append("store_id must name the store the plan was made from")
     for key in ("created_ms", "retention_ms", "now_ms"):
@@ -91,25 +208,13 @@ def validate_plan(source) -> dict:
         problems.append("retention_ms must be positive")
     if problems:
         raise PlanError("; ".join(problems))
-    cutoff = plan["now_ms"] - plan["retention_ms"]
+    return plan["now_ms"] - plan["retention_ms"]
 
-    halves = plan.get("halves")
-    if not isinstance(halves, list):
-        problems.append("halves must be a list")
-        halves = []
-    seen = set()
-    for i, h in enumerate(halves):
-        problems += _half_problems(f"halves[{i}]", h, cutoff)
-        if isinstance(h, dict) and _is_int(h.get("commit_log_offset")):
-            if h["commit_log_offset"] in seen:
-                problems.append(f"halves[{i}]: commit_log_offset {h['commit_log_offset']} is listed twice")
-            seen.add(h["commit_log_offset"])
 
-    segments = plan.get("segments")
+def _segment_problems(segments, cutoff: int) -> list[str]:
     if not isinstance(segments, list):
-        problems.append("segments must be a list")
-        segments = []
-    names = []
+        return ["segments must be a list"]
+    problems, names = [], []
     for i, s in enumerate(segments):
         where = f"segments[{i}]"
         if not isinstance(s, dict):
@@ -134,9 +239,7 @@ def validate_plan(source) -> dict:
         problems.append("a segment is listed twice")
     if names != sorted(names):
         problems.append("segments are not listed oldest first")
-    if problems:
-        raise PlanError("; ".join(problems))
-    return plan
+    return problems
 
 
 def plan_target(path: str) -> str:

@@ -109,6 +109,26 @@ def test_an_op_that_cannot_be_read_holds_its_half_back_and_is_reported(plan, sto
     assert plan["report"]["damaged_ops"]["unplaced"] == 0
 
 
+def test_halves_held_back_are_counted_and_only_the_first_named(spark, store, monkeypatch, caplog):
+    """Every half an unreadable op may have decided was collected on the driver and named in the plan's report: a
+    damaged run of op records (one a half) put them all there, without bound. The report names the first
+    UNSETTLED_LISTED and counts them all; the ERROR line says the count."""
+    import logging
+
+    from ops.spark import expiry
+
+    monkeypatch.setattr(expiry, "UNSETTLED_LISTED", 1)
+    with caplog.at_level(logging.ERROR, logger="ops.spark"):
+        got = expiry.build_plan(spark, store["dir"], retention_ms=RETENTION, now_ms=NOW)
+    assert got["report"]["damaged_ops"]["unsettled_halves"] == [store["garbled"].offset]
+    assert got["report"]["damaged_ops"]["unsettled"] == 2
+    listed = {h["commit_log_offset"] for h in got["halves"]}
+    assert store["open"].offset in listed                   # (the plan made, and the unnamed held back all the same:)
+    assert not listed & {store["garbled"].offset, store["zeroed"].offset}
+    assert any("expiry: 2 half message(s) older than the retention are not listed" in r.getMessage()
+               and "the report names the first 1" in r.getMessage() for r in caplog.records)
+
+
 def test_whole_words_are_read_as_the_broker_reads_them(plan, store):
     listed = {h["commit_log_offset"] for h in plan["halves"]}
     assert store["tags_flipped"].offset not in listed       # its own TXMQ_OP: ROLLBACK

@@ -9,7 +9,7 @@ import pytest
 
 from ops.spark import PlanError, validate_plan
 from ops.spark import segments as seg
-from ops.spark.plan import write_plan, write_plan_streaming
+from ops.spark.plan import MAX_PROBLEMS, validate_plan_file, write_plan, write_plan_streaming
 from ops.spark.snapshots import parse_line
 from tests.spark.storegen import StoreBuilder
 
@@ -219,9 +219,105 @@ def test_a_plan_that_is_a_mount_point_of_its_own_is_a_clear_error(tmp_path, monk
     ({"segments": [{"name": "0" * 20, "first_store_timestamp": 1, "last_store_timestamp": 2}]}, "must be integers"),
     ({"segments": [dict(_seg("0" * 20, 1, 2), start_offset=5)]}, "do not fit"),
 ])
-def test_validate_plan_refuses_bad_plans(change, message):
+def test_validate_plan_refuses_bad_plans(change, message, tmp_path):
     with pytest.raises(PlanError, match=message):
         validate_plan(_plan(**change))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(**change)))
+    with pytest.raises(PlanError, match=message):       # (read from its file a half at a time: the same)
+        validate_plan_file(str(path))
+
+
+def _many_halves(plan, n, **over):
+    return [{**plan["halves"][0], "commit_log_offset": 10 + i, "uniq_key": f"U{i:08d}", **over} for i in range(n)]
+
+
+def test_validate_plan_of_a_big_plan_file_holds_none_of_its_halves(tmp_path, capsys):
+    """`ops.spark validate-plan` json.load-ed the plan: 880 MB of memory for 1M halves (a 170 MB plan), 10M past
+    what a host has. It reads the halves one at a time now; its answer is the same."""
+    import tracemalloc
+
+    from ops.spark.cli import main
+
+    plan = _plan()
+    path = str(tmp_path / "plan.json")
+    write_plan(plan, path)
+    assert main(["validate-plan", path]) == 0       # (what it imports, imported before memory is traced)
+    capsys.readouterr()
+    assert write_plan_streaming(plan, iter(_many_halves(plan, 20_000)), path) == 20_000
+    size = os.path.getsize(path)
+    assert size > 2_500_000
+    tracemalloc.start()
+    try:
+        assert main(["validate-plan", path]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert json.loads(capsys.readouterr().out) == {"valid": True, "halves": 20_000, "segments": 1}
+    assert peak < size / 4, (peak, size)            # (json.load of it: some 5 times its size)
+
+
+def test_a_plan_with_many_bad_halves_is_refused_naming_the_first_and_counting_the_others(tmp_path):
+    """A plan made with another retention (every half young by this one) was refused naming each half: one
+    stderr line of ~100 bytes a half (100 MB for 1M halves), every one held until then."""
+    plan = _plan()
+    halves = _many_halves(plan, 1_000, store_timestamp=plan["now_ms"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "halves": halves}))
+    for check in (lambda: validate_plan({**plan, "halves": halves}), lambda: validate_plan_file(str(path))):
+        with pytest.raises(PlanError) as err:
+            check()
+        said = str(err.value)
+        assert said.count("store_timestamp") == MAX_PROBLEMS and "halves[0]: store_timestamp" in said
+        assert said.endswith(f"; and {1_000 - MAX_PROBLEMS} more problems")
+
+
+def test_a_plan_file_out_of_order_cut_short_or_with_its_fields_last_is_checked_as_a_whole_one(tmp_path):
+    """validate_plan_file finds a half listed twice without a set of them all when they come in order (as the expiry
+    job writes them) and with one when not; a plan whose fields follow its halves (written by hand) is checked all
+    the same; one cut short is refused."""
+    plan = _plan()
+    halves = _many_halves(plan, 5)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "halves": halves[3:] + halves}))
+    with pytest.raises(PlanError, match=re.escape("halves[5]: commit_log_offset 13 is listed twice; halves[6]: "
+                                                  "commit_log_offset 14 is listed twice")):
+        validate_plan_file(str(path))
+    path.write_text(json.dumps({**plan, "halves": halves[::-1]}))
+    assert validate_plan_file(str(path))["halves"] == 5
+    last = {"halves": halves[::-1] + [{**halves[0], "commit_log_offset": 1, "store_timestamp": plan["now_ms"]}],
+            **{k: v for k, v in plan.items() if k != "halves"}}
+    path.write_text(json.dumps(last))
+    with pytest.raises(PlanError, match=r"^halves\[5\]: store_timestamp"):
+        validate_plan_file(str(path))
+    write_plan_streaming(plan, iter(halves), str(path))
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(PlanError, match="cannot read the expiry plan"):
+        validate_plan_file(str(path))
+    with pytest.raises(PlanError, match="cannot read the expiry plan"):
+        validate_plan_file(str(tmp_path / "missing.json"))
+
+
+def test_a_plan_file_whose_retention_is_given_again_after_its_halves_is_checked_by_the_last(tmp_path):
+    """Of a key given twice the last counts (json.load's, the broker's): validate_plan_file checked the halves
+    against the cutoff of the fields before them, so a plan whose now_ms or retention_ms is given again after its
+    halves was found valid with every half young by its own cutoff (and one old by it refused)."""
+    plan = _plan()
+    head = {k: v for k, v in plan.items() if k != "segments"}
+    path = tmp_path / "plan.json"
+    for late in (f'"now_ms": {plan["now_ms"] - plan["retention_ms"]}',       # (its half young by either)
+                 f'"retention_ms": {plan["retention_ms"] + 2}'):
+        path.write_text(json.dumps(head)[:-1] + f', "segments": [], {late}}}')
+        with pytest.raises(PlanError, match=r"halves\[0\]: store_timestamp"):
+            validate_plan(str(path))
+        with pytest.raises(PlanError, match=r"halves\[0\]: store_timestamp"):
+            validate_plan_file(str(path))
+    # and the other way: the fields before the halves would refuse them, the last ones take them
+    early = {**head, "retention_ms": plan["retention_ms"] * 2}
+    path.write_text(json.dumps(early)[:-1] + f', "segments": [], "retention_ms": {plan["retention_ms"]}}}')
+    assert validate_plan(str(path))["retention_ms"] == plan["retention_ms"]
+    assert validate_plan_file(str(path))["halves"] == 1
 
 
 def test_validate_plan_refuses_unreadable_input(tmp_path):
@@ -229,6 +325,20 @@ def test_validate_plan_refuses_unreadable_input(tmp_path):
         validate_plan(str(tmp_path / "missing.json"))
     with pytest.raises(PlanError, match="cannot read"):
         validate_plan(b"{not json")
+
+
+def test_a_plan_nested_too_deep_to_read_is_refused_not_a_traceback(tmp_path):
+    """A half nested 100,000 lists deep (a plan written by hand, or damaged) made json.load and the plan's reader
+    raise RecursionError: `validate-plan` ended in a traceback, not "cannot read the expiry plan", exit 1."""
+    from ops.spark.cli import main
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(halves=[]))[:-1].replace('"halves": []', '"halves": [' + "[" * 100_000
+                                                              + "]" * 100_000 + "]") + "}")
+    for check in (validate_plan, validate_plan_file):
+        with pytest.raises(PlanError, match="cannot read the expiry plan: .*nested too deep"):
+            check(str(path))
+    assert main(["validate-plan", str(path)]) == 1
 
 
 def test_the_last_chunk_says_where_the_data_ends_and_an_unreadable_file_is_an_err_row(tmp_path):
@@ -478,3 +588,22 @@ def test_a_record_whose_transaction_type_bit_flipped_is_counted_as_the_broker_se
     _, traffic, queues = _totals(_rows(seg.plan_chunks(d, 1 << 40)[1]))
     assert sum(t[0] for k, t in traffic.items() if k[1] == "Orders") == 3
     assert [q[3] for k, q in queues.items() if k[1] == "Orders"] == [2]
+
+
+def test_the_error_line_of_halves_held_back_says_how_many_the_report_names(caplog):
+    """The ERROR line said "the report names the first 1000" of 2 halves held back (UNSETTLED_LISTED, whatever the
+    report held): it says how many it names, and that they are the first only when some are not named."""
+    import logging
+
+    from ops.spark import expiry
+
+    said = {}
+    for held in ([5, 9], list(range(expiry.UNSETTLED_LISTED))):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="ops.spark"):
+            expiry._say_damaged_ops({"misnamed": 0, "unreadable": 0, "unplaced": 0, "unsettled_halves": held,
+                                     "unsettled": len(held) * (1 if len(held) == 2 else 3)})
+        said[len(held)] = caplog.records[-1].getMessage()
+    assert "(first: 5; the report names them all)" in said[2], said[2]
+    n = expiry.UNSETTLED_LISTED
+    assert f"expiry: {3 * n} half message(s)" in said[n] and f"the report names the first {n})" in said[n], said[n]

@@ -164,6 +164,57 @@ def test_a_big_plan_read_from_its_file_is_parted_as_the_plan_itself(tmp_path, mo
         read.close()
 
 
+def test_a_big_plan_is_read_twice_its_parts_cut_as_it_is_checked(tmp_path, monkeypatch):
+    """A big plan was read three times (checked, its parts counted, then sent) and each part encoded to be measured
+    twice: 1M halves took 37 s before a broker saw any. It is cut into parts as it is checked and read once more as
+    it is sent (22 s); the parts are those of the plan loaded whole, whatever the slice, and those of a plan whose
+    fields follow its halves (their room not known as the halves were cut) too."""
+    from broker import admin, plan_stream
+
+    monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
+    reads = []
+    real = plan_stream.PlanFile.halves
+    monkeypatch.setattr(plan_stream.PlanFile, "halves", lambda self: reads.append(1) or real(self))
+    plan = _big_plan(900)
+    for i in range(0, 900, 97):
+        plan["halves"][i]["uniq_key"] = "é" * (i * 20)          # some halves big, one over a part alone
+    path = tmp_path / "plan.json"
+    for text in (json.dumps(plan), json.dumps({"halves": plan["halves"], **{k: v for k, v in plan.items()
+                                                                           if k != "halves"}})):
+        path.write_text(text)
+        for count in (50, 1000):
+            read = admin._read_plan(str(path), count)
+            try:
+                parts = admin.plan_parts(read, count)
+                got = list(parts)
+            finally:
+                read.close()
+            assert len(reads) == (2 if text.startswith('{"halves"') else 1), (count, len(reads))
+            assert got == admin.plan_parts(plan, count) and len(parts) == len(got)
+            reads.clear()
+    code, seen, _ = _apply_counting(monkeypatch, path, "--slice", "70")
+    assert code == 0 and seen["n"] == 900 and len(reads) == 2       # (its fields last: counted on a read of its own)
+    reads.clear()
+    path.write_text(json.dumps(plan))
+    code, seen, _ = _apply_counting(monkeypatch, path, "--slice", "70")
+    assert code == 0 and seen["n"] == 900 and len(reads) == 1 and seen["parts"] == len(admin.plan_parts(plan, 70))
+
+
+def test_a_plan_nested_too_deep_to_read_is_refused_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A half nested 100,000 lists deep: json.load (a small plan) and the big plan's reader raised RecursionError, a
+    traceback, not "cannot read plan", exit 2. Neither is sent."""
+    from broker import admin
+
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "plan.json"
+    for pad in (0, 5 * 1024 * 1024):            # (read whole, and read value by value: over PART_BYTES)
+        path.write_text(json.dumps({**HEADER, "report": "x" * pad, "halves": []})[:-2] + deep + "]}")
+        monkeypatch.setattr(admin, "open_connection", None)     # (never reached)
+        assert admin.main(["apply-expiry", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot read plan {path}: " in err and "nested too deep" in err, err
+
+
 def test_a_big_plan_that_is_not_one_is_refused_before_any_part_is_sent(tmp_path, monkeypatch):
     from broker import admin
 
