@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import itertools
 import logging
@@ -51,7 +52,7 @@ from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, property_bytes, string_to_properties
 from protocol.record import MESSAGE_MAGIC_BYTES
 
-from .index_file import BACK_STEP_MS, MAX_BATCH, TIME, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
+from .index_file import BACK_STEP_MS, HEADER, MAX_BATCH, TIME, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .saved import retrieved
 
@@ -351,6 +352,16 @@ class IndexService:
                 # again (the index thread's ERROR, once); a start answers from the files before it (open).
                 if exc.errno in _NOT_THE_FILE:
                     raise
+                if i + 1 < len(names) and _begins_below(os.path.join(self.directory, names[i + 1]), log_min):
+                    # Every entry of it points below the log's first offset (the next file begins there): nothing
+                    # in it could answer a query. Kept, indexing stayed stopped for good once retention had
+                    # removed its records (read again every resume_every_s, failing), every message since unfound.
+                    self._said_once(("expired-unreadable", name), "index: index file %s could not be read (%s), "
+                                    "but its entries all point below the commit log's first offset %d (retention "
+                                    "removed their records): passed over and removed", name, exc.strerror, log_min)
+                    with contextlib.suppress(OSError):      # (one that cannot be is passed over again)
+                        os.unlink(path)
+                    continue
                 # (The progress too: left, it says their records indexed, and the start caught up past them.)
                 raise IndexUnreadable(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing "
                                       "was removed; if the error stays, remove that file, the "
@@ -983,6 +994,17 @@ def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> 
               "they take disk space until a later start loads them and removes them at a segment removal: fix the "
               "error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
               fut.exception())
+
+
+def _begins_below(path: str, log_min: int) -> bool:
+    """Whether the index file at ``path`` begins below commit-log offset ``log_min`` by its header (a file begins
+    where the one before it ended: every entry of that one points at or below its begin): False when unread."""
+    try:
+        with open(path, "rb") as fh:
+            raw = os.pread(fh.fileno(), HEADER.size, 0)
+    except OSError:
+        return False
+    return len(raw) == HEADER.size and 0 <= HEADER.unpack(raw)[2] < log_min
 
 
 def _exists(path: str) -> bool:

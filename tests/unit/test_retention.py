@@ -1752,3 +1752,40 @@ async def test_a_start_leaves_no_gap_after_a_leftover_it_could_not_remove(tmp_pa
         finally:
             await reopened.close()
     assert sorted(int(n) for n in os.listdir(queue_dir)) == [starts[0]] + starts[2:]
+
+
+@bounded(30)
+async def test_a_kept_segments_halves_are_dead_lettered_once_and_its_index_entries_kept(tmp_path, monkeypatch):
+    """A segment whose file cannot be unlinked, holding an undecided half: the pass dead-letters the half, then the
+    removal is refused and the segment kept. The passes after it, and a restart (transaction recovery reading the
+    kept half again), do not dead-letter it again; the removal listeners (the message index's expiry) are not told
+    of a removal that did not happen, so queries by key still find the kept segment's messages."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided-80h")
+    old = await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 150)
+    told = []
+    ctx.store.add_removal_listener(told.append)
+    _segment_unlinks_fail(monkeypatch, ctx.store, errno.EACCES)
+    before = names(ctx)
+    r = Retention(ctx, usage=lambda: 0.9)
+    for _ in range(3):
+        assert await r.clean_once() == []
+    plan = await spark_like_plan(ctx, clock.now)
+    assert (await Retention(ctx).apply_plan(plan))["segments_kept"]
+    assert names(ctx) == before and told == [] and readable(ctx, old) == len(old)
+
+    def copies():
+        got = ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 64, 1 << 20)
+        return sum(decode_record(b)[0].properties.get("TXMQ_HALF") == str(half.half_offset) for b in got.buffers)
+    assert copies() == 1 and half.half_offset not in ctx.tx.pending
+    await ctx.store.close()
+    ctx = await make(tmp_path, clock)                               # a restart, the segment still there
+    try:
+        assert half.half_offset not in ctx.tx.pending
+        assert await Retention(ctx, usage=lambda: 0.9).clean_once() == []
+        assert copies() == 1
+    finally:
+        await ctx.store.close()
