@@ -1789,3 +1789,37 @@ async def test_an_unreadable_index_file_whose_entries_all_expired_stops_indexing
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
     await svc.close()
     await store.close()
+
+
+@bounded(20)
+async def test_index_files_expire_cannot_remove_are_said_once_and_tried_again(tmp_path, monkeypatch, caplog):
+    """Index files retention's removals expire, in a directory the file system would not unlink in (EACCES,
+    EPERM: chattr +i, as the segments' and queues' of disk9): each removal that expired one said another ERROR, and
+    the file, out of the index's list, stayed on disk until a restart loaded it again. Said once a failure run now,
+    and tried again at each later expiry (as the queue files a removal leaves are)."""
+    store = await _store_with(tmp_path, 6)
+    svc = await _service(tmp_path, store, entries=3)       # (a new file every 2 entries)
+    await svc.query("T", "x", 1, 0, 1)
+    files = list(svc.files)
+    assert len(files) >= 4
+    real_unlink, index_dir = os.unlink, str(tmp_path / "index")
+
+    def refused(path, *a, **k):
+        if os.path.dirname(os.fspath(path)) == index_dir:
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", refused)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        with pytest.raises(OSError):
+            await svc.expire(files[0].end_phy + 1)
+        await svc.expire(files[1].end_phy + 1)              # a later removal: refused again, quiet
+        await svc.query("T", "x", 1, 0, 1)                  # (the done callbacks have run)
+    said = [r.getMessage() for r in caplog.records if r.name == "txmq.index" and r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "not removed" in said[0] and "Permission denied" in said[0], said
+    expired = [f for f in files if f.end_phy <= files[1].end_phy]
+    assert all(os.path.exists(f.path) for f in expired) and svc.files == files[len(expired):]
+    monkeypatch.undo()                                      # made removable: the next expiry takes them
+    assert await svc.expire(files[1].end_phy + 1) == [f.name for f in expired]
+    assert not any(os.path.exists(f.path) for f in expired)
+    await svc.close()
+    await store.close()
