@@ -1698,7 +1698,7 @@ def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
     """remove_files of each run (a queue's files), after the earlier removals' ``leftovers`` are tried again (oldest
     first; in a directory, the ones after a refused one wait with it, and so do the runs of that directory: no gap).
     Returns the errors of the runs that could not all be unlinked, and the paths still left on disk."""
-    left, refused = [], set()
+    left, refused = [], {}
     for path in leftovers:
         where = os.path.dirname(path)
         if where not in refused:
@@ -1707,12 +1707,14 @@ def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
                 continue
             except FileNotFoundError:
                 continue
-            except OSError:
-                refused.add(where)
+            except OSError as exc:
+                refused[where] = exc
         left.append(path)
     errors = []
     for run in runs:
-        if os.path.dirname(run[0].path) in refused:     # (a leftover there refused again: these wait behind it)
+        exc = refused.get(os.path.dirname(run[0].path))
+        if exc is not None:     # a leftover there refused again: these wait behind it (the queue's error, counted)
+            errors.append(exc)
             left += keep_files(run)
             continue
         exc = remove_files(run)
