@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import itertools
 import logging
@@ -51,7 +52,7 @@ from protocol.errors import StoreError
 from protocol.message import BLANK_MAGIC, MESSAGE_MAGIC, Prop, property_bytes, string_to_properties
 from protocol.record import MESSAGE_MAGIC_BYTES
 
-from .index_file import BACK_STEP_MS, MAX_BATCH, TIME, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
+from .index_file import BACK_STEP_MS, HEADER, MAX_BATCH, TIME, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
 from .saved import retrieved
 
@@ -187,6 +188,8 @@ class IndexService:
         self._back_rolled: float | None = None  # time.monotonic() a record older than its file started one
         self._back_said = -_CUT_LOG_EVERY_S
         self._removed_under = False     # a progress save found index files removed (unlinked) under it: _resume
+        self._expired_left: list[str] = []     # paths of expired index files that could not be unlinked (_expire)
+        self._expire_said = False       # an expiry's unlink error was said (until an expiry leaves none)
         self._catch_up_from: tuple[int, float] | None = None   # (offset, time.monotonic()) the start's catch-up began
 
     # ------------------------------------------------------------ lifecycle
@@ -351,6 +354,16 @@ class IndexService:
                 # again (the index thread's ERROR, once); a start answers from the files before it (open).
                 if exc.errno in _NOT_THE_FILE:
                     raise
+                if i + 1 < len(names) and _begins_below(os.path.join(self.directory, names[i + 1]), log_min):
+                    # Every entry of it points below the log's first offset (the next file begins there): nothing
+                    # in it could answer a query. Kept, indexing stayed stopped for good once retention had
+                    # removed its records (read again every resume_every_s, failing), every message since unfound.
+                    self._said_once(("expired-unreadable", name), "index: index file %s could not be read (%s), "
+                                    "but its entries all point below the commit log's first offset %d (retention "
+                                    "removed their records): passed over and removed", name, exc.strerror, log_min)
+                    with contextlib.suppress(OSError):      # (one that cannot be is passed over again)
+                        os.unlink(path)
+                    continue
                 # (The progress too: left, it says their records indexed, and the start caught up past them.)
                 raise IndexUnreadable(exc.errno, f"index file {name} could not be read ({exc.strerror}); nothing "
                                       "was removed; if the error stays, remove that file, the "
@@ -944,18 +957,40 @@ class IndexService:
         return t == topic and begin <= ts <= end and (uniq == key or key in keys)
 
     def _expire(self, min_offset: int) -> list[str]:
+        """Remove the files every entry of which points below ``min_offset``, after the ones earlier expiries could
+        not unlink (``_expired_left``: EACCES, EPERM, EIO), tried again oldest first. Raises the first error of a
+        failure run (said by ``expire``'s callback); the later ones of the run are quiet, the files tried again."""
         self._log_min = max(self._log_min, min_offset)
-        gone = []
+        gone, failed, retry, self._expired_left = [], None, self._expired_left, []
+        for path in retry:
+            try:
+                os.unlink(path)
+                gone.append(os.path.basename(path))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._expired_left.append(path)
+                failed = failed or exc
         while len(self.files) > 1 and self.files[0].end_phy < min_offset:
             f = self.files.pop(0)
             self._queried.pop(f, None)
-            f.remove()
-            gone.append(f.name)
+            try:
+                f.remove()
+                gone.append(f.name)
+            except OSError as exc:      # out of the list all the same (closed): tried again at the next expiry
+                self._expired_left.append(f.path)
+                failed = failed or exc
         for start in [s for s in self._fds if s + self.seg_size <= min_offset]:
             os.close(self._fds.pop(start))
+        gone = list(dict.fromkeys(gone))    # (a resume read a file left again: in the list and among them)
         if gone:
             log.info("removed index files %s: every entry points below the log's first offset %d", gone,
                      min_offset)
+        if failed is None:
+            self._expire_said = bool(self._expired_left)
+        elif not self._expire_said:
+            self._expire_said = True
+            raise failed
         return gone
 
 
@@ -980,9 +1015,20 @@ def _said_expire_error(fut: asyncio.Future, min_offset: int, directory: str) -> 
     if fut.cancelled() or fut.exception() is None or isinstance(fut.exception(), StoreError):   # (closed: a stop)
         return
     log.error("index files whose entries all point below commit-log offset %d (the oldest of %s) not removed: %s; "
-              "they take disk space until a later start loads them and removes them at a segment removal: fix the "
-              "error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
+              "they take disk space and are tried again at each segment removal (said again once one leaves none): fix "
+              "the error (permissions, a read-only file system) or remove them by hand", min_offset, directory,
               fut.exception())
+
+
+def _begins_below(path: str, log_min: int) -> bool:
+    """Whether the index file at ``path`` begins below commit-log offset ``log_min`` by its header (a file begins
+    where the one before it ended: every entry of that one points at or below its begin): False when unread."""
+    try:
+        with open(path, "rb") as fh:
+            raw = os.pread(fh.fileno(), HEADER.size, 0)
+    except OSError:
+        return False
+    return len(raw) == HEADER.size and 0 <= HEADER.unpack(raw)[2] < log_min
 
 
 def _exists(path: str) -> bool:

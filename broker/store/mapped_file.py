@@ -283,10 +283,18 @@ def remove_files(files) -> OSError | None:
         try:
             mf.remove()
         except OSError as exc:
-            for kept in files[i:]:
-                kept.close()
+            keep_files(files[i:])
             return exc
     return None
+
+
+def keep_files(files) -> list[str]:
+    """Close ``files`` (out of their queue, wholly below the log's start) and leave them on disk, behind an older
+    one of their directory that could not be unlinked: unlinked, they left a gap between it and the live files, which
+    a start took for a live file lost (the queue rebuilt from the log as damaged). Their paths, oldest first."""
+    for mf in files:
+        mf.close()
+    return [mf.path for mf in files]
 
 
 _PREAD_CHUNK = 1 << 20

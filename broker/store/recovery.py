@@ -65,7 +65,7 @@ from protocol.record import MESSAGE_MAGIC_BYTES, MIN_RECORD_SIZE, RECORD_HEAD, c
 from .checkpoint import Checkpoint
 from .commit_log import CommitLog, Segment
 from .consume_queue import ConsumeQueue
-from .mapped_file import last_nonzero, parse_name, remove_files
+from .mapped_file import keep_files, last_nonzero, parse_name, remove_files
 from .progress import Progress
 from .replica import tag_of
 from .results import DispatchInfo, RecoveryReport, Truncation
@@ -299,6 +299,9 @@ def recover(clog: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], make_q
     left = []
     for cq in queues.values():
         dead = cq.expire_before(clog.min_offset)
+        if cq.leftovers:        # refused at load: these wait behind them (unlinked, a gap between)
+            cq.leftovers += keep_files(dead)
+            dead = []
         failed = remove_files(dead)
         if failed is not None:
             left.append(failed)

@@ -36,7 +36,7 @@ from .disk import PROBE_INTERVAL_S, DiskMonitor
 from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
                        read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
                        write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
-from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name, remove_files
+from .mapped_file import fsync_dir, fsync_dirs, keep_files, make_dirs, parse_name, remove_files
 from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
@@ -1696,9 +1696,9 @@ def _unlink_if_there(path: str) -> None:
 
 def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
     """remove_files of each run (a queue's files), after the earlier removals' ``leftovers`` are tried again (oldest
-    first; in a directory, the ones after a refused one wait with it: no gap). Returns the errors of the runs that
-    could not all be unlinked, and the paths still left on disk."""
-    left, refused = [], set()
+    first; in a directory, the ones after a refused one wait with it, and so do the runs of that directory: no gap).
+    Returns the errors of the runs that could not all be unlinked, and the paths still left on disk."""
+    left, refused = [], {}
     for path in leftovers:
         where = os.path.dirname(path)
         if where not in refused:
@@ -1707,11 +1707,16 @@ def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
                 continue
             except FileNotFoundError:
                 continue
-            except OSError:
-                refused.add(where)
+            except OSError as exc:
+                refused[where] = exc
         left.append(path)
     errors = []
     for run in runs:
+        exc = refused.get(os.path.dirname(run[0].path))
+        if exc is not None:     # a leftover there refused again: these wait behind it (the queue's error, counted)
+            errors.append(exc)
+            left += keep_files(run)
+            continue
         exc = remove_files(run)
         if exc is not None:
             errors.append(exc)

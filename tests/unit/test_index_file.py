@@ -1741,3 +1741,85 @@ async def test_an_index_file_that_can_be_read_but_not_written_is_searched_and_no
     assert (await svc.query("T", "later", 64, 0, 2**62)).found == [later.physical_offset]
     await svc.close()
     await store.close()
+
+
+@bounded(20)
+@pytest.mark.parametrize("when", ["resume", "start"])
+async def test_an_unreadable_index_file_whose_entries_all_expired_stops_indexing_no_more(tmp_path, monkeypatch,
+                                                                                        caplog, when):
+    """An index file a start could not read (EIO: a bad sector) is kept and indexing stopped until it can be read.
+    Once retention has removed every record its entries point to (the log's first offset past where the next file
+    begins), nothing in it can answer a query: it was kept all the same, and indexing stayed stopped for good (the
+    resume read it again every 10 s and failed), every message stored since unfound by key. It is passed over now,
+    said once, and removed when it can be."""
+    store = await _store_with(tmp_path, 6)
+    svc = await _service(tmp_path, store, entries=3)        # (a new file every 2 entries)
+    past = (await svc.query("T", "k3", 64, 0, 2**62)).found[0]
+    await svc.close()
+    files = sorted(n for n in os.listdir(tmp_path / "index") if n != "progress")
+    assert len(files) >= 4
+    unreadable = str(tmp_path / "index" / files[0])
+    real = IndexFile._load
+
+    def failing(self):
+        if self.path == unreadable:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
+        return real(self)
+    monkeypatch.setattr(IndexFile, "_load", failing)
+    with open(tmp_path / "index" / files[1], "rb") as fh:
+        assert HEADER.unpack(fh.read(HEADER.size))[2] < past       # the next file begins below it
+    svc = IndexService(str(tmp_path), segment_size=store.config.segment_size, slots=SLOTS, entries=3)
+    store.add_dispatch_listener(svc.on_dispatch)
+    svc.resume_every_s = 0
+    with caplog.at_level(logging.WARNING, logger="txmq.index"):
+        if when == "start":
+            await svc.open(past, store.max_physical_offset)             # (retention removed the records before)
+        else:
+            await svc.open(store.min_physical_offset, store.max_physical_offset)
+            assert svc.stopped
+            await svc.expire(past)                                      # the removal listener
+        keyed = await store.put(PutRequest.build("T", b"z", properties={"KEYS": "late"}))
+        for _ in range(10):     # each query a turn of the index thread: the resume, then its catch-up
+            answer = await svc.query("T", "late", 64, 0, 2**62)
+            if answer.behind is None:
+                break
+    assert not svc.stopped and answer.found == [keyed.physical_offset], (svc.failed, answer)
+    assert not os.path.exists(unreadable)
+    said = [r.getMessage() for r in caplog.records if files[0] in r.getMessage() and "below" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    await svc.close()
+    await store.close()
+
+
+@bounded(20)
+async def test_index_files_expire_cannot_remove_are_said_once_and_tried_again(tmp_path, monkeypatch, caplog):
+    """Index files retention's removals expire, in a directory the file system would not unlink in (EACCES,
+    EPERM: chattr +i, as the segments' and queues' of disk9): each removal that expired one said another ERROR, and
+    the file, out of the index's list, stayed on disk until a restart loaded it again. Said once a failure run now,
+    and tried again at each later expiry (as the queue files a removal leaves are)."""
+    store = await _store_with(tmp_path, 6)
+    svc = await _service(tmp_path, store, entries=3)       # (a new file every 2 entries)
+    await svc.query("T", "x", 1, 0, 1)
+    files = list(svc.files)
+    assert len(files) >= 4
+    real_unlink, index_dir = os.unlink, str(tmp_path / "index")
+
+    def refused(path, *a, **k):
+        if os.path.dirname(os.fspath(path)) == index_dir:
+            raise OSError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", refused)
+    with caplog.at_level(logging.ERROR, logger="txmq.index"):
+        with pytest.raises(OSError):
+            await svc.expire(files[0].end_phy + 1)
+        await svc.expire(files[1].end_phy + 1)              # a later removal: refused again, quiet
+        await svc.query("T", "x", 1, 0, 1)                  # (the done callbacks have run)
+    said = [r.getMessage() for r in caplog.records if r.name == "txmq.index" and r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "not removed" in said[0] and "Permission denied" in said[0], said
+    expired = [f for f in files if f.end_phy <= files[1].end_phy]
+    assert all(os.path.exists(f.path) for f in expired) and svc.files == files[len(expired):]
+    monkeypatch.undo()                                      # made removable: the next expiry takes them
+    assert await svc.expire(files[1].end_phy + 1) == [f.name for f in expired]
+    assert not any(os.path.exists(f.path) for f in expired)
+    await svc.close()
+    await store.close()

@@ -1513,7 +1513,8 @@ async def test_a_queue_file_that_cannot_be_unlinked_leaves_the_removal_whole_and
     assert low >= len(in_first)
     got = store.get_messages("Flow", 0, low, 4, 1 << 20)
     assert got.status == GetStatus.FOUND, got.status
-    assert ctx.metrics.segment_removals_failed.labels("queue-file", "EACCES")._value.get() == 1
+    # each removal's files of the queue stayed behind the refused one: counted each, said once
+    assert ctx.metrics.segment_removals_failed.labels("queue-file", "EACCES")._value.get() == len(removed)
     errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
     assert len(errors) == 1 and "consume-queue file" in errors[0] and "chattr -i" in errors[0], errors
     assert sum("removed segment" in rec.getMessage() for rec in caplog.records) == len(removed), caplog.text
@@ -1671,3 +1672,130 @@ async def test_a_queue_file_lost_in_the_live_range_after_removals_is_rebuilt(tmp
         assert reopened.get_messages("Flow", 0, middle // 20, 4, 1 << 20).status == GetStatus.FOUND
     finally:
         await reopened.close()
+
+
+
+async def _aligned_queue_files(tmp_path, monkeypatch):
+    """Four segments, each holding one whole 16-unit file of Flow-0 then filler (Other) up to the segment's end (a
+    queue file ending with a segment); unlinking Flow-0's first file fails EPERM (chattr +i on that file). Returns
+    the context, clock, store config, the queue's directory, that file's name and the refusing unlink."""
+    clock = Clock(T0 - 80 * H)
+    cfg = StoreConfig(segment_size=SEG, cq_units_per_file=16)
+    ctx = await make(tmp_path, clock, cfg)
+    store = ctx.store
+    for _ in range(4):
+        await send(ctx, 16)
+        segments = len(store._log.segments)
+        for _ in range(100):
+            await send(ctx, 1, topic="Other")
+            if len(store._log.segments) > segments:
+                break
+    queue_dir = os.path.join(tmp_path, "s", "consumequeue", "Flow", "0")
+    first, real_unlink = sorted(os.listdir(queue_dir))[0], os.unlink
+
+    def unlink(path, *a, **k):
+        if os.fspath(path) == os.path.join(queue_dir, first):
+            raise OSError(errno.EPERM, "Operation not permitted", path)
+        return real_unlink(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    return ctx, clock, cfg, queue_dir, first, unlink
+
+
+@bounded(30)
+@pytest.mark.parametrize("restart_refused", [False, True])
+async def test_a_later_removal_leaves_no_gap_after_a_refused_queue_file(tmp_path, monkeypatch, restart_refused):
+    """A queue file a removal could not unlink (chattr +i on that file, EIO on its inode: the file's error, not its
+    directory's) and the next removal: the leftover refused again, that removal's own files of the queue were
+    unlinked all the same, a gap on disk between the leftover and the live files. A start took the gap for a live
+    file lost when the file after it began at the log's start (a queue file ending with a segment), and rebuilt the
+    queue from the log as damaged. The files after a refused leftover wait with it, as its directory's leftovers do."""
+    ctx, clock, cfg, queue_dir, first, _unlink = await _aligned_queue_files(tmp_path, monkeypatch)
+    store = ctx.store
+    for _ in range(2):
+        await store.remove_segment(store._log.segments[0].name)
+        assert len(store.queue_files_left) == 1, store.queue_files_left     # each removal's: counted, said once
+    starts = sorted(int(n) for n in os.listdir(queue_dir))
+    assert starts[0] == int(first) and len(starts) >= 3, starts
+    assert [b - a for a, b in zip(starts, starts[1:])] == [16 * 20] * (len(starts) - 1), starts    # no gap
+    low = store.min_offset("Flow", 0)
+    await store.close()
+    if not restart_refused:
+        monkeypatch.undo()
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
+        assert reopened.min_offset("Flow", 0) == low
+        assert os.path.exists(os.path.join(queue_dir, first)) == restart_refused
+    finally:
+        await reopened.close()
+
+
+@bounded(30)
+async def test_a_start_leaves_no_gap_after_a_leftover_it_could_not_remove(tmp_path, monkeypatch):
+    """A start whose queue held a leftover it could not remove before a gap (an older broker's removals unlinked the
+    files after it), then files wholly below the log's start: recovery unlinked those, the gap moved up to the live
+    files, and the next start, the file after the gap beginning at the log's start, rebuilt the queue as damaged."""
+    ctx, clock, cfg, queue_dir, first, _unlink = await _aligned_queue_files(tmp_path, monkeypatch)
+    store = ctx.store
+    for _ in range(3):
+        await store.remove_segment(store._log.segments[0].name)
+    starts = sorted(int(n) for n in os.listdir(queue_dir))
+    assert len(starts) == 4, starts         # the refused one, two waiting behind it, the live one
+    low = store.min_offset("Flow", 0)
+    await store.close()
+    os.unlink(os.path.join(queue_dir, f"{starts[1]:020d}"))         # the gap an older broker left
+    for _ in range(2):                      # the file still refused at both starts
+        reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+        await reopened.open()
+        try:
+            assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
+            assert reopened.min_offset("Flow", 0) == low
+        finally:
+            await reopened.close()
+    assert sorted(int(n) for n in os.listdir(queue_dir)) == [starts[0]] + starts[2:]
+
+
+@bounded(30)
+async def test_a_kept_segments_halves_are_dead_lettered_once_and_its_index_entries_kept(tmp_path, monkeypatch):
+    """A segment whose file cannot be unlinked, holding an undecided half: the pass dead-letters the half, then the
+    removal is refused and the segment kept. The passes after it, and a restart (transaction recovery reading the
+    kept half again), do not dead-letter it again; the removal listeners (the message index's expiry) are not told
+    of a removal that did not happen, so queries by key still find the kept segment's messages. A start does not
+    take the kept segment for gone (crash1's check); removed by hand after, it is."""
+    clock = Clock(T0 - 80 * H)
+    ctx = await make(tmp_path, clock)
+    half = await add_half(ctx, b"undecided-80h")
+    old = await send(ctx, 200)
+    clock.now = T0
+    await send(ctx, 150)
+    told = []
+    ctx.store.add_removal_listener(told.append)
+    _segment_unlinks_fail(monkeypatch, ctx.store, errno.EACCES)
+    before = names(ctx)
+    r = Retention(ctx, usage=lambda: 0.9)
+    for _ in range(3):
+        assert await r.clean_once() == []
+    plan = await spark_like_plan(ctx, clock.now)
+    assert (await Retention(ctx).apply_plan(plan))["segments_kept"]
+    assert names(ctx) == before and told == [] and readable(ctx, old) == len(old)
+
+    def copies():
+        got = ctx.store.get_messages("TRANS_CHECK_MAX_TIME_TOPIC", 0, 0, 64, 1 << 20)
+        return sum(decode_record(b)[0].properties.get("TXMQ_HALF") == str(half.half_offset) for b in got.buffers)
+    assert copies() == 1 and half.half_offset not in ctx.tx.pending
+    await ctx.store.close()
+    ctx = await make(tmp_path, clock)                               # a restart, the segment still there
+    try:
+        assert half.half_offset not in ctx.tx.pending and ctx.store.report.gone_segments == []    # not "gone"
+        assert await Retention(ctx, usage=lambda: 0.9).clean_once() == []
+        assert copies() == 1
+    finally:
+        await ctx.store.close()
+    monkeypatch.undo()
+    os.unlink(os.path.join(tmp_path, "s", "commitlog", before[0]))     # an operator's rm: the manifest names it
+    ctx = await make(tmp_path, clock)
+    try:
+        assert ctx.store.report.gone_segments == [before[0]] and copies() == 1
+    finally:
+        await ctx.store.close()
