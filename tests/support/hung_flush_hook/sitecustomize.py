@@ -4,13 +4,16 @@ no one reads -- an msync that never returns (a hung disk, a stopped NFS), on the
 one can be made here (no device-mapper to suspend, no FUSE library). Started with ``slow_flush_env``, it is a slow
 disk instead: while the flag file it names exists, each flush takes that many seconds more, and then completes.
 Started with ``hung_recovery_env``, the store's recovery blocks the same way before it reads the log (a start-up
-recovering a big store, held there for as long as the test needs)."""
+recovering a big store, held there for as long as the test needs). Started with ``hung_checkpoint_env``, each store
+checkpoint (its fsyncs of queue directories, the queue list, the checkpoint file) blocks the same way, on the flush
+thread it shares with the commit-log flushes."""
 import os
 import time
 
 _FIFO = os.environ.get("TXMQ_TEST_HUNG_FLUSH_FIFO")
 _SLOW = os.environ.get("TXMQ_TEST_SLOW_FLUSH")     # "<flag file>:<seconds>"
 _RECOVERY = os.environ.get("TXMQ_TEST_HUNG_RECOVERY_FIFO")
+_CHECKPOINT = os.environ.get("TXMQ_TEST_HUNG_CHECKPOINT_FIFO")
 if _FIFO or _SLOW:
     from broker.store import writer
 
@@ -37,3 +40,15 @@ if _RECOVERY:
         return _recover(*args, **kwargs)
 
     store.recover = _hung_recovery
+
+if _CHECKPOINT:
+    from broker.store import store as _store
+
+    _checkpoint_job = _store._checkpoint_job
+
+    def _hung_checkpoint(*args, **kwargs):
+        if os.path.exists(_CHECKPOINT):
+            os.close(os.open(_CHECKPOINT, os.O_WRONLY))
+        return _checkpoint_job(*args, **kwargs)
+
+    _store._checkpoint_job = _hung_checkpoint
