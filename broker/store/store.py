@@ -33,14 +33,14 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
-                       read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
-                       write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
+from .manifest import (CORRUPT_KEPT_FILE, MANIFEST_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id,
+                       read_corrupt_kept, read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk,
+                       summarize_file, write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs, parse_name
 from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
-from .saved import retrieved
+from .saved import retrieved, timed
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
 
@@ -717,7 +717,8 @@ class MessageStore:
             if cq.unsynced:
                 dirs += cq.take_unsynced()
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding, listed)
+            await self._io.submit(timed, CHECKPOINT_FILE, _checkpoint_job, ranges, self.store_dir, point, dirs,
+                                  self._rebuilding, listed)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -1467,7 +1468,8 @@ class MessageStore:
         if key == self._manifest_key and not force:
             return
         facts = await self.segment_facts()
-        await self._io.submit(write_manifest, self.store_dir, self.store_id, self.clock(), facts, self._removed)
+        await self._io.submit(timed, MANIFEST_FILE, write_manifest, self.store_dir, self.store_id, self.clock(), facts,
+                              self._removed)
         self._manifest_key = key
 
     async def remove_segment(self, name: str, reason: str = "") -> SegmentFacts:
