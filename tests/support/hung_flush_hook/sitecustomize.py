@@ -29,26 +29,23 @@ if _FIFO or _SLOW:
 
     writer._flush_ranges = _hung_or_slow
 
-if _RECOVERY:
+
+def _held(module, name: str, fifo: str) -> None:
+    """``module.name`` made to block in an open() of ``fifo`` for writing, while it exists, before it runs."""
+    original = getattr(module, name)
+
+    def held(*args, **kwargs):
+        if os.path.exists(fifo):
+            os.close(os.open(fifo, os.O_WRONLY))
+        return original(*args, **kwargs)
+
+    setattr(module, name, held)
+
+
+if _RECOVERY or _CHECKPOINT:
     from broker.store import store
 
-    _recover = store.recover
-
-    def _hung_recovery(*args, **kwargs):
-        if os.path.exists(_RECOVERY):
-            os.close(os.open(_RECOVERY, os.O_WRONLY))
-        return _recover(*args, **kwargs)
-
-    store.recover = _hung_recovery
-
-if _CHECKPOINT:
-    from broker.store import store as _store
-
-    _checkpoint_job = _store._checkpoint_job
-
-    def _hung_checkpoint(*args, **kwargs):
-        if os.path.exists(_CHECKPOINT):
-            os.close(os.open(_CHECKPOINT, os.O_WRONLY))
-        return _checkpoint_job(*args, **kwargs)
-
-    _store._checkpoint_job = _hung_checkpoint
+    if _RECOVERY:
+        _held(store, "recover", _RECOVERY)
+    if _CHECKPOINT:
+        _held(store, "_checkpoint_job", _CHECKPOINT)
