@@ -653,3 +653,43 @@ def test_a_hang_after_a_very_slow_flush_is_said_by_the_time_the_alert_fires(tmp_
     server._flush_age()
     assert caplog.text.count("has not returned in 31 s") == 1, caplog.text
     assert server._hung_after() == 200.0        # (a stop's own bound is unchanged)
+
+
+@bounded(30)
+async def test_sync_puts_are_flushed_beside_a_metadata_job_held_on_the_first_flush_thread(tmp_path, monkeypatch):
+    """The checkpoint, segments.json and the transactions' snapshot run on the first flush thread. A flush queued
+    behind one of them held on a slow or hung disk held every sync put (their flushes complete together): 2 s
+    fsyncs left producers unanswered for 20 s. Flushes go to a thread with nothing else queued, and a second flush
+    in flight waits rather than queue behind the held job: every put is answered while it is still held."""
+    import threading
+    flush = writer._flush_ranges
+
+    def slow(ranges) -> None:   # a flush in flight while the next batches are copied: each wants a second flush
+        time.sleep(0.02)
+        flush(ranges)
+    monkeypatch.setattr(writer, "_flush_ranges", slow)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    store._writer.second_flush_after = 0        # a batch copied during a flush starts its own at once
+    began, gate = threading.Event(), threading.Event()
+
+    def held() -> None:
+        began.set()
+        gate.wait(30)
+
+    job = store.run_io(held)
+    try:
+        assert await asyncio.to_thread(began.wait, 10)
+        puts = []
+        for _ in range(100):        # a put each millisecond: batches written while the one before is being flushed
+            puts.append(store.put(req()))
+            await asyncio.sleep(0.001)
+        done, pending = await asyncio.wait(puts, timeout=10)
+        assert not pending, f"{len(pending)} of 100 puts unanswered behind the held job"
+        assert all(p.result().ok for p in done)
+        assert not job.done()
+    finally:
+        gate.set()
+    await job
+    assert store.max_offset("T", 0) == 100
+    await store.close()
