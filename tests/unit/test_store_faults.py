@@ -693,3 +693,37 @@ async def test_sync_puts_are_flushed_beside_a_metadata_job_held_on_the_first_flu
     await job
     assert store.max_offset("T", 0) == 100
     await store.close()
+
+
+@bounded()
+async def test_a_flush_on_the_second_thread_that_returns_last_holds_the_one_after_it(tmp_path, monkeypatch):
+    """The first flush goes to the second thread (the first holds a metadata job), the next to the first thread
+    once that job ends, and returns first: nothing is acknowledged or readable before the earlier flush returns."""
+    import threading
+    first_started, gate, calls, _ = _gated_flushes(monkeypatch)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    w = store._writer
+    w.second_flush_after = 0
+    held = threading.Event()
+    job = store.run_io(held.wait, 10)
+    try:
+        a = store.put(req())
+        assert await asyncio.to_thread(first_started.wait, 10)
+        assert w._flushing[0][7] is store._io2       # beside the held job, not behind it
+        held.set()
+        await job
+        b = store.put(req())
+        await _second_flush_finished(store, calls)
+        assert w._flushing[1][7] is store._io
+        await asyncio.sleep(0)                  # the writer's turn after the second flush's wake-up
+        assert not a.done() and not b.done()
+        assert store.max_offset("T", 0) == 0
+    finally:
+        held.set()
+        gate.set()
+    ra, rb = await a, await b
+    assert ra.ok and rb.ok and rb.physical_offset == ra.physical_offset + ra.size
+    assert store.max_offset("T", 0) == 2
+    await store.close()
+
