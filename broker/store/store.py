@@ -1496,11 +1496,16 @@ class MessageStore:
             # was taken out of the running log all the same, its records unreadable and its space not freed, so the
             # next pass took the next segment the same way (the whole log but the active segment, one a pass)
             # (one already gone, an operator's rm to free space, is removed as MappedFile.remove always let it be)
-            await self._io.submit(_unlink_if_there, segs[0].path)
+            # On the reserve thread, idle now: queued on the first flush thread behind a checkpoint's fsyncs (a slow
+            # or hung disk), this unlink held the writer, so every put, for as long as the checkpoint took.
+            await self._reserve_io.submit(_unlink_if_there, segs[0].path)
             dead = [clog.release_oldest()]
             for cq in self._cqs.values():
                 dead += cq.expire_before(clog.min_offset)
-            await self._io.submit(_remove_files, dead)
+            # Unmapped after the checkpoints queued before (their msyncs of these queue files), awaited outside the
+            # writer: puts go on while it waits behind them. (The kept records' file and the spent marks, rare, are
+            # still written in it, after.)
+            removing.append(self._io.submit(_remove_files, dead))
             await self._forget_kept_before(clog.min_offset)
             # Deleted topics' marks hiding nothing now go too: kept until a restart, a broker that ran for months
             # kept a directory and a file for every topic ever deleted (and its next start read them all).
@@ -1512,7 +1517,12 @@ class MessageStore:
                         name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",
                         f.last_ts if f else "?", clog.min_offset)
 
-        await self._writer.control(op)
+        removing: list[asyncio.Future] = []
+        try:
+            await self._writer.control(op)
+        finally:
+            if removing:
+                await removing[0]
         for fn in self._removal_listeners:
             try:
                 fn(clog.min_offset)

@@ -727,3 +727,34 @@ async def test_a_flush_on_the_second_thread_that_returns_last_holds_the_one_afte
     assert store.max_offset("T", 0) == 2
     await store.close()
 
+
+@bounded()
+async def test_puts_are_answered_while_a_segment_removal_waits_behind_a_held_metadata_job(tmp_path):
+    """Retention removes the oldest segment in the writer, between batches. Its unlink went to the first flush thread,
+    queued behind a checkpoint there: with a metadata job held (a checkpoint's fsyncs on a slow or hung disk) no put
+    was copied or flushed until it ended (every put 2.0 s behind a job held 2 s; for ever behind a hung one). The
+    unlink goes to the reserve thread, idle then; only the unmapping waits behind the job, outside the writer."""
+    import threading
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 16))
+    await store.open()
+    for _ in range(150):
+        assert (await store.put(req())).ok
+    oldest = store.segments()[0].name
+    gate = threading.Event()
+    job = store.run_io(gate.wait, 30)
+    try:
+        removal = asyncio.ensure_future(store.remove_segment(oldest, "test"))
+        for _ in range(1000):       # the removal has taken the segment out of the log
+            if store.segments()[0].name != oldest:
+                break
+            await asyncio.sleep(0.001)
+        assert store.segments()[0].name != oldest, "the removal never left the writer"
+        done, _ = await asyncio.wait([asyncio.ensure_future(store.put(req()))], timeout=10)
+        assert done and next(iter(done)).result().ok, "a put waited for the removal behind the held job"
+        assert not job.done() and not removal.done()    # the unmapping still waits behind it
+    finally:
+        gate.set()
+    await job
+    assert (await removal).name == oldest
+    assert not os.path.exists(os.path.join(str(tmp_path), "commitlog", oldest))
+    await store.close()
