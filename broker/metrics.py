@@ -169,6 +169,11 @@ class BrokerMetrics:
                                             [], _LATENCY_BUCKETS, r)
         self.flush_latency = Histogram("txmq_store_flush_latency_seconds", "Duration of one commit-log flush.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.metadata_write = Histogram("txmq_metadata_write_seconds", "Duration of one metadata write, synced: a "
+                                        "config table (consumerOffset.json, topics.json, subscriptionGroup.json, ...), "
+                                        "the store checkpoint, segments.json, the transactions' snapshot.json, "
+                                        "the first offsets' journal, the index progress.",
+                                        ["file"], buckets=_LATENCY_BUCKETS, registry=r)
         self.connections = Gauge("txmq_open_connections", "Open client connections.", ["listener"], registry=r)
         self.rejected_frames = Counter("txmq_rejected_frames", "Connections closed for malformed input.",
                                        registry=r)

@@ -56,7 +56,7 @@ from .schedule.levels import SCHEDULE_TOPIC, TIMER_TOPIC
 from .store import ConsumerOffsets, DiskMonitor, MessageStore, StoreConfig
 from .store import offsets as offsets_store
 from .store.index import IndexService
-from .store.saved import daemon_default_executor, retrieved
+from .store.saved import daemon_default_executor, observe_writes, retrieved
 from .subscriptions import SubscriptionGroups, retry_queues
 from .supervise import LoopLag, Supervisor
 from .topics import RETRY_PREFIX, TopicLimitError, TopicManager
@@ -229,6 +229,7 @@ class BrokerServer:
                              clock=self.clock, tag_rule=levels.consume_queue_tag)
         ctx.store = store
         store.set_flush_observer(self.metrics.flush_latency.observe)
+        observe_writes(lambda file, seconds: self.metrics.metadata_write.labels(file).observe(seconds))
         ctx.holds = PullHoldService(c.max_parked_pulls_per_host)
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)

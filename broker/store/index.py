@@ -54,7 +54,7 @@ from protocol.record import MESSAGE_MAGIC_BYTES
 
 from .index_file import BACK_STEP_MS, HEADER, MAX_BATCH, TIME, IndexCorrupt, IndexFile, KeyHasher, WalkBudget, key_hash
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
-from .saved import retrieved
+from .saved import retrieved, timed
 
 log = logging.getLogger("txmq.index")
 
@@ -596,6 +596,10 @@ class IndexService:
             self._removed_under = True      # the resume rebuilds all of it: the files left start past a gap
             raise OSError(errno.ENOENT, f"{len(gone)} index file(s) ({gone[0]} ...) removed from {self.directory} "
                                         "under the running broker")
+        timed("index/progress", self._write_progress, value)     # (txmq_metadata_write_seconds)
+        self._saved = value
+
+    def _write_progress(self, value: int) -> None:
         if self.files:
             self.files[-1].sync()       # entries before the progress that says they exist
         raw = struct.pack(">qB", value, not self.files)
@@ -605,7 +609,6 @@ class IndexService:
         with open(tmp, "wb") as fh:
             fh.write(raw)
         os.replace(tmp, path)
-        self._saved = value
 
     def _index(self, batch: list[tuple[int, int]]) -> None:
         if self._closed or self.failed is not None:

@@ -32,7 +32,7 @@ import os
 import threading
 
 from .mapped_file import fsync_dir, fsync_dirs, make_dirs
-from .saved import DaemonThreads, is_int, retrieved, write_synced
+from .saved import DaemonThreads, is_int, retrieved, timed, write_synced
 
 log = logging.getLogger("txmq.store")
 
@@ -125,7 +125,7 @@ class FirstsJournal:
 
     def _append(self, data: bytes) -> None:
         with self._file_lock:
-            self._append_locked(data)
+            timed(os.path.basename(self.path), self._append_locked, data)     # (txmq_metadata_write_seconds)
 
     def _append_locked(self, data: bytes) -> None:
         made = not os.path.exists(self.path)

@@ -33,14 +33,14 @@ from .commit_log import CommitLog, Segment
 from .config import StoreConfig
 from .consume_queue import BLANK_SIZE, TOMBSTONE, UNIT, ConsumeQueue, make_first_file, read_tombstone, write_tombstone
 from .disk import PROBE_INTERVAL_S, DiskMonitor
-from .manifest import (CORRUPT_KEPT_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id, read_corrupt_kept,
-                       read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk, summarize_file,
-                       write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
+from .manifest import (CORRUPT_KEPT_FILE, MANIFEST_FILE, NUL_COPY_FILE, SegmentFacts, load_or_create_store_id,
+                       read_corrupt_kept, read_nul_copy_from, read_nul_free_from, removed_from_disk, sealed_from_disk,
+                       summarize_file, write_corrupt_kept, write_manifest, write_nul_copy_from, write_nul_free_from)
 from .mapped_file import fsync_dir, fsync_dirs, keep_files, make_dirs, parse_name, remove_files
 from .progress import Progress
 from .recovery import recover
 from .replica import parse_chunk
-from .saved import retrieved
+from .saved import retrieved, timed
 from .results import DispatchInfo, GetResult, GetStatus, PutRequest, RecoveryReport, SegmentInfo
 from .writer import IoThread, Writer
 
@@ -758,7 +758,8 @@ class MessageStore:
             if cq.unsynced:
                 dirs += cq.take_unsynced()
         try:
-            await self._io.submit(_checkpoint_job, ranges, self.store_dir, point, dirs, self._rebuilding, listed)
+            await self._io.submit(timed, CHECKPOINT_FILE, _checkpoint_job, ranges, self.store_dir, point, dirs,
+                                  self._rebuilding, listed)
         except BaseException:
             self._dirs_to_sync = dirs + self._dirs_to_sync
             # One range per file, whatever the number of failures: kept as they came, a checkpoint that kept
@@ -1510,7 +1511,8 @@ class MessageStore:
         if key == self._manifest_key and not force:
             return
         facts = await self.segment_facts()
-        await self._io.submit(write_manifest, self.store_dir, self.store_id, self.clock(), facts, self._removed)
+        await self._io.submit(timed, MANIFEST_FILE, write_manifest, self.store_dir, self.store_id, self.clock(), facts,
+                              self._removed)
         self._manifest_key = key
 
     async def remove_segment(self, name: str, reason: str = "") -> SegmentFacts:
@@ -1537,14 +1539,17 @@ class MessageStore:
             # was taken out of the running log all the same, its records unreadable and its space not freed, so the
             # next pass took the next segment the same way (the whole log but the active segment, one a pass)
             # (one already gone, an operator's rm to free space, is removed as MappedFile.remove always let it be)
-            await self._io.submit(_unlink_if_there, segs[0].path)
+            # On the reserve thread, idle now: queued on the first flush thread behind a checkpoint's fsyncs (a slow
+            # or hung disk), this unlink held the writer, so every put, for as long as the checkpoint took.
+            await self._reserve_io.submit(_unlink_if_there, segs[0].path)
             dead = [[clog.release_oldest()]] + [cq.expire_before(clog.min_offset) for cq in self._cqs.values()]
             # A queue file that cannot be unlinked (an immutable directory, EIO) is out of its queue already: the
             # removal goes on (its queue's minimum is past it; the next removal tries it again, as does a start).
-            # Raised, it left the
-            # message index, the manifest, the log line and the count undone, the files after it mapped.
-            self.queue_files_left, self._queue_leftovers = await self._io.submit(
-                _remove_runs, [run for run in dead if run], self._queue_leftovers)
+            # Raised, it left the message index, the manifest, the log line and the count undone, the files after
+            # it mapped. Unmapped after the checkpoints queued before (their msyncs of these queue files), awaited
+            # outside the writer: puts go on while it waits behind them. (The kept records' file and the spent
+            # marks, rare, are still written in it, after.)
+            removing.append(self._io.submit(_remove_runs, [run for run in dead if run], self._queue_leftovers))
             await self._forget_kept_before(clog.min_offset)
             # Deleted topics' marks hiding nothing now go too: kept until a restart, a broker that ran for months
             # kept a directory and a file for every topic ever deleted (and its next start read them all).
@@ -1556,7 +1561,12 @@ class MessageStore:
                         name, reason or "asked", f.records if f else "?", f.first_ts if f else "?",
                         f.last_ts if f else "?", clog.min_offset)
 
-        await self._writer.control(op)
+        removing: list[asyncio.Future] = []
+        try:
+            await self._writer.control(op)
+        finally:
+            if removing:
+                self.queue_files_left, self._queue_leftovers = await removing[0]
         for fn in self._removal_listeners:
             try:
                 fn(clog.min_offset)

@@ -206,8 +206,9 @@ class Writer:
                 fl = self._flushing
                 if fl and all(f[0].done() for f in fl):
                     self._flushes_done()
-                if (clog.dirty and (not fl or (len(fl) < len(self._threads) and self._overlap
-                                               and time.perf_counter() - fl[-1][6] >= self.second_flush_after))
+                if (clog.dirty and (not fl or (self._overlap
+                                               and time.perf_counter() - fl[-1][6] >= self.second_flush_after
+                                               and self._flush_thread() is not None))
                         and (self._sync or self._flush_due or self._closing or self._controls)):
                     self._start_flush()
                     continue
@@ -410,8 +411,7 @@ class Writer:
         clog = self.clog
         ranges = clog.take_dirty()
         self._flush_due = False
-        busy = [fl[7] for fl in self._flushing]
-        io = next(t for t in self._threads if t not in busy)
+        io = self._flush_thread()
         if self._flush_inline:
             fut = self._loop.create_future()
             try:
@@ -424,6 +424,20 @@ class Writer:
                                time.perf_counter(), io))
         if self._sync:
             self._waiting, self._units, self._infos = [], {}, []
+
+    def _flush_thread(self) -> "IoThread | None":
+        """The thread for the next flush: one with no flush in flight and nothing else queued; with none such, the
+        least loaded when no flush is in flight, else None (a second flush waits for the first). The first thread
+        also runs the checkpoint, the queue list, segments.json and the transactions' snapshot, each fsynced: a
+        flush queued there behind them on a slow disk (2 s an fsync, the ten of a checkpoint after a new topic's
+        first sends) held every sync send for 20 s, their producers timing out, though the other thread was idle
+        and the flush itself was quick."""
+        busy = [fl[7] for fl in self._flushing]
+        free = [t for t in self._threads if t not in busy]
+        idle = next((t for t in free if not t.queued), None)
+        if idle is not None or busy:
+            return idle
+        return min(free, key=lambda t: t.queued)
 
     def flush_age_s(self) -> float:
         """How long the oldest flush in flight has been in the kernel (0.0: none). For the gauge only (not the hot
@@ -522,6 +536,7 @@ class IoThread:
         self._loop = asyncio.get_running_loop()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
+        self.queued = 0     # jobs submitted and not yet settled on the loop (Writer._flush_thread)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -533,6 +548,7 @@ class IoThread:
             if then is not None:
                 self._loop.call_soon(then)
             return fut
+        self.queued += 1
         self._jobs.put((fn, args, fut, then))
         return fut
 
@@ -554,9 +570,14 @@ class IoThread:
             except BaseException as exc:    # handed to the awaiting coroutine
                 outcome = (None, exc)
             try:
-                call(_settle, fut, outcome, then)
+                call(self._settle, fut, outcome, then)
             except RuntimeError:            # the loop is closed: nobody is waiting any more
                 return
+
+
+    def _settle(self, fut: asyncio.Future, outcome, then) -> None:
+        self.queued -= 1
+        _settle(fut, outcome, then)
 
 
 def _settle(fut: asyncio.Future, outcome, then) -> None:

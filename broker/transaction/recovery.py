@@ -16,7 +16,7 @@ import struct
 
 from broker.store.mapped_file import fsync_dir
 from broker.store.progress import Progress
-from broker.store.saved import crc_matches, with_crc, write_synced
+from broker.store.saved import crc_matches, timed, with_crc, write_synced
 from protocol.errors import RecordError, StoreError
 from protocol.message import Prop, decode_record, store_timestamp_pos
 from protocol.record import body_crc_ok
@@ -605,7 +605,7 @@ async def write_snapshot(tx) -> bool:
     new_files = table.directory if made != table.files_synced else None
     data = await asyncio.to_thread(encode_snapshot, snap, list(tx.pending.values()))
     # (the maps taken after that wait: a snapshot cancelled there, by stop, leaves them for the one stop writes)
-    await store.run_io(_write_files, tx.directory, table.dirty(), data, new_files)
+    await store.run_io(timed, "snapshot.json", _write_files, tx.directory, table.dirty(), data, new_files)
     table.files_synced = made
     if tx.snapshot_held:
         tx.snapshot_held = False

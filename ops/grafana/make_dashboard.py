@@ -115,6 +115,10 @@ ROWS = [
          [q(f"sum(rate(txmq_store_write_refusals_total{{{SEL}}}[{RATE}]))", "refused")]),
         ("Commit log size", "timeseries", "bytes", "Commit-log bytes on disk (segments are preallocated).",
          [q(f"sum by (instance) (rocketmq_storage_size{{{SEL}}})", "{{instance}}")]),
+        ("Metadata writes", "timeseries", "s",
+         "p99 of one metadata write by file (consumerOffset.json, topics.json, the checkpoint, ...), synced: a slow "
+         "disk shows here before anything hangs (alert TxmqMetadataWriteSlow).",
+         [quantiles("txmq_metadata_write_seconds", SEL, by="file")[1]]),
     ]),
     ("Broker", [
         ("Up", "stat", "short", "Prometheus reached the broker's metrics (1) or not (0), and the version it runs.",

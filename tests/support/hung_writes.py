@@ -44,9 +44,19 @@ def slow_flush_env(flag, seconds: float) -> dict:
 def hung_recovery_env(fifo) -> dict:
     """The ``env`` of a BrokerProcess whose store recovery, at start-up, hangs before it reads the log while ``fifo``
     exists (made by the test, released with ``unblock``): hung_flush_hook/sitecustomize.py."""
+    return _hook_env("TXMQ_TEST_HUNG_RECOVERY_FIFO", fifo)
+
+
+def hung_checkpoint_env(fifo) -> dict:
+    """The ``env`` of a BrokerProcess whose store checkpoints (fsyncs of directories, the queue list, the checkpoint
+    file) hang while ``fifo`` exists: hung_flush_hook/sitecustomize.py."""
+    return _hook_env("TXMQ_TEST_HUNG_CHECKPOINT_FIFO", fifo)
+
+
+def _hook_env(name: str, value) -> dict:
     env = hung_flush_env("")
     del env["TXMQ_TEST_HUNG_FLUSH_FIFO"]
-    return {**env, "TXMQ_TEST_HUNG_RECOVERY_FIFO": str(fifo)}
+    return {**env, name: str(value)}
 
 
 def unblock(fifo) -> None:
@@ -63,12 +73,17 @@ def release(fifo, server) -> None:
 async def flush_in_flight(broker, within: float = 20.0) -> None:
     """Until ``broker`` (a BrokerProcess) shows a commit-log flush in flight (txmq_store_flush_in_flight_seconds
     above 0, its gauges refreshed each second): a flush held by a slow or hung disk has begun."""
+    await gauge_above_0(broker, "txmq_store_flush_in_flight_seconds", "no commit-log flush in flight", within)
+
+
+async def gauge_above_0(broker, name: str, failure: str, within: float = 20.0) -> None:
+    """Until ``broker``'s gauge ``name`` (one series, refreshed each second) is above 0; ``failure`` said if not."""
     url = f"http://{broker.metrics}/metrics"
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        m = re.search(r"^txmq_store_flush_in_flight_seconds (\S+)$", text, re.M)
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
         if m and float(m[1]) > 0:
             return
         await asyncio.sleep(0.1)
-    pytest.fail(f"no commit-log flush in flight within {within:g} s\n{broker.log()}")
+    pytest.fail(f"{failure} within {within:g} s\n{broker.log()}")

@@ -307,3 +307,18 @@ async def test_a_stop_behind_a_hung_subscription_groups_write_does_not_wait_for_
         assert "not written at stop" in caplog.text
     finally:
         go.set()
+
+
+def test_a_metadata_save_is_timed_by_its_file_and_a_failed_one_is_not(tmp_path, monkeypatch):
+    """txmq_metadata_write_seconds{file}: each ``save`` that ends is observed with its file's name (a bounded label
+    set), on the writing thread; one that fails is not (its error is the caller's to say)."""
+    from broker.store import saved
+    seen = []
+    monkeypatch.setattr(saved, "_on_write", None)
+    saved.observe_writes(lambda file, seconds: seen.append((file, seconds)))
+    saved.save(str(tmp_path / "topics.json"), b"{}")
+    assert [f for f, _ in seen] == ["topics.json"] and seen[0][1] >= 0
+    with pytest.raises(OSError):
+        saved.save(str(tmp_path / "missing" / "topics.json"), b"{}")
+    assert saved.timed("checkpoint", lambda a, b: a + b, 1, 2) == 3
+    assert [f for f, _ in seen] == ["topics.json", "checkpoint"]

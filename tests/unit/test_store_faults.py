@@ -653,3 +653,108 @@ def test_a_hang_after_a_very_slow_flush_is_said_by_the_time_the_alert_fires(tmp_
     server._flush_age()
     assert caplog.text.count("has not returned in 31 s") == 1, caplog.text
     assert server._hung_after() == 200.0        # (a stop's own bound is unchanged)
+
+
+@bounded(30)
+async def test_sync_puts_are_flushed_beside_a_metadata_job_held_on_the_first_flush_thread(tmp_path, monkeypatch):
+    """The checkpoint, segments.json and the transactions' snapshot run on the first flush thread. A flush queued
+    behind one of them held on a slow or hung disk held every sync put (their flushes complete together): 2 s
+    fsyncs left producers unanswered for 20 s. Flushes go to a thread with nothing else queued, and a second flush
+    in flight waits rather than queue behind the held job: every put is answered while it is still held."""
+    import threading
+    flush = writer._flush_ranges
+
+    def slow(ranges) -> None:   # a flush in flight while the next batches are copied: each wants a second flush
+        time.sleep(0.02)
+        flush(ranges)
+    monkeypatch.setattr(writer, "_flush_ranges", slow)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    store._writer.second_flush_after = 0        # a batch copied during a flush starts its own at once
+    began, gate = threading.Event(), threading.Event()
+
+    def held() -> None:
+        began.set()
+        gate.wait(30)
+
+    job = store.run_io(held)
+    try:
+        assert await asyncio.to_thread(began.wait, 10)
+        puts = []
+        for _ in range(100):        # a put each millisecond: batches written while the one before is being flushed
+            puts.append(store.put(req()))
+            await asyncio.sleep(0.001)
+        done, pending = await asyncio.wait(puts, timeout=10)
+        assert not pending, f"{len(pending)} of 100 puts unanswered behind the held job"
+        assert all(p.result().ok for p in done)
+        assert not job.done()
+    finally:
+        gate.set()
+    await job
+    assert store.max_offset("T", 0) == 100
+    await store.close()
+
+
+@bounded()
+async def test_a_flush_on_the_second_thread_that_returns_last_holds_the_one_after_it(tmp_path, monkeypatch):
+    """The first flush goes to the second thread (the first holds a metadata job), the next to the first thread
+    once that job ends, and returns first: nothing is acknowledged or readable before the earlier flush returns."""
+    import threading
+    first_started, gate, calls, _ = _gated_flushes(monkeypatch)
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=SEG))
+    await store.open()
+    w = store._writer
+    w.second_flush_after = 0
+    held = threading.Event()
+    job = store.run_io(held.wait, 10)
+    try:
+        a = store.put(req())
+        assert await asyncio.to_thread(first_started.wait, 10)
+        assert w._flushing[0][7] is store._io2       # beside the held job, not behind it
+        held.set()
+        await job
+        b = store.put(req())
+        await _second_flush_finished(store, calls)
+        assert w._flushing[1][7] is store._io
+        await asyncio.sleep(0)                  # the writer's turn after the second flush's wake-up
+        assert not a.done() and not b.done()
+        assert store.max_offset("T", 0) == 0
+    finally:
+        held.set()
+        gate.set()
+    ra, rb = await a, await b
+    assert ra.ok and rb.ok and rb.physical_offset == ra.physical_offset + ra.size
+    assert store.max_offset("T", 0) == 2
+    await store.close()
+
+
+@bounded()
+async def test_puts_are_answered_while_a_segment_removal_waits_behind_a_held_metadata_job(tmp_path):
+    """Retention removes the oldest segment in the writer, between batches. Its unlink went to the first flush thread,
+    queued behind a checkpoint there: with a metadata job held (a checkpoint's fsyncs on a slow or hung disk) no put
+    was copied or flushed until it ended (every put 2.0 s behind a job held 2 s; for ever behind a hung one). The
+    unlink goes to the reserve thread, idle then; only the unmapping waits behind the job, outside the writer."""
+    import threading
+    store = MessageStore(str(tmp_path), StoreConfig(segment_size=1 << 16))
+    await store.open()
+    for _ in range(150):
+        assert (await store.put(req())).ok
+    oldest = store.segments()[0].name
+    gate = threading.Event()
+    job = store.run_io(gate.wait, 30)
+    try:
+        removal = asyncio.ensure_future(store.remove_segment(oldest, "test"))
+        for _ in range(1000):       # the removal has taken the segment out of the log
+            if store.segments()[0].name != oldest:
+                break
+            await asyncio.sleep(0.001)
+        assert store.segments()[0].name != oldest, "the removal never left the writer"
+        done, _ = await asyncio.wait([asyncio.ensure_future(store.put(req()))], timeout=10)
+        assert done and next(iter(done)).result().ok, "a put waited for the removal behind the held job"
+        assert not job.done() and not removal.done()    # the unmapping still waits behind it
+    finally:
+        gate.set()
+    await job
+    assert (await removal).name == oldest
+    assert not os.path.exists(os.path.join(str(tmp_path), "commitlog", oldest))
+    await store.close()
