@@ -30,7 +30,7 @@ from protocol.record import store_timestamp_at
 from ..store import PutRequest
 from ..store.results import PutStatus
 from ..store.saved import retrieved
-from ..topics import HALF_TOPIC, RETRY_PREFIX
+from ..topics import HALF_TOPIC, readable_queue
 from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
 from .progress import (MASTER_COPY_NAME, PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress,
                        drop_master_copy, load_snapshot, read_master_copy, write_snapshot)
@@ -92,7 +92,7 @@ class ScheduleService:
         self._late = m.schedule_delivered_late
         self._delivered = m.schedule_delivered
         self._dropped_total = m.schedule_dropped        # txmq_schedule_dropped_total{reason}
-        self._requeued_total = m.schedule_requeued      # txmq_schedule_requeued_total{topic}
+        self._requeued_total = m.requeued                # txmq_requeued_total{topic}
 
     # ----------------------------------------------------------- start / stop
     @property
@@ -591,25 +591,15 @@ class ScheduleService:
         return self.ctx.store.copying(phys, PutRequest(record, topic, qid, tags_code(props), sys_flag))
 
     def _readable_queue(self, topic: str, qid: int) -> int:
-        """The queue a message due for ``topic`` queue ``qid`` goes to: ``qid``, unless the topic no longer reads
-        it. Its queues cut while it waited here (updateTopic -r 4 -w 4 once queues 4..7 were drained: their lag
-        read 0, as nothing waiting here counts in it), it landed where no consumer reads, as RocketMQ 4.9.8's
-        ScheduleMessageService writes REAL_QID: 8 of 16 in the test, nothing said. A retry's queue was one of
-        the group's retryQueueNums when it was handed back, and its topic may have been made again with fewer
-        since (reclaimed as idle while its retries waited, or deleted and made again by a heartbeat after the
-        group's config was lowered). Into one the topic reads, then, counted per batch (_deliver). A topic not
-        there is left as it is: a retry's is made again with the queues it needs (TopicManager.queue_appeared)."""
-        tc = self.ctx.topics.topics.get(topic)
-        if tc is None:
-            return qid
-        # (a retry topic's first retryQueueNums queues are written: one past them would get no more retries)
-        queues = (min(tc.read_queue_nums, tc.write_queue_nums) if topic.startswith(RETRY_PREFIX)
-                  else tc.read_queue_nums)
-        if not queues or qid < queues:
-            return qid
-        counts = self._requeued.setdefault(topic, [0, queues])
-        counts[0] += 1
-        return qid % queues
+        """The queue a message due for ``topic`` queue ``qid`` goes to (topics.readable_queue), one moved
+        counted for the batch (_deliver). A retry's queue was one of the group's retryQueueNums when it was handed
+        back, and its topic may have been made again with fewer since (reclaimed as idle while its retries waited,
+        or deleted and made again by a heartbeat after the group's config was lowered)."""
+        qid, queues = readable_queue(self.ctx.topics.topics, topic, qid)
+        if queues:
+            counts = self._requeued.setdefault(topic, [0, queues])
+            counts[0] += 1
+        return qid
 
     def _dropped(self, reason: str, n: int = 1) -> None:
         # Counted once the batch's progress is written (_deliver): a refused batch is gathered again.

@@ -404,7 +404,7 @@ async def test_delayed_messages_due_in_queues_their_topic_no_longer_reads_go_to_
     """A topic cut from 8 queues to 4 (updateTopic -r 4 -w 4, once queues 4..7 were drained: their lag read 0) while
     delayed messages sent to queues 4..7 still waited: delivered to those queues, as RocketMQ 4.9.8's
     ScheduleMessageService writes REAL_QID, they were stored where no consumer reads (8 of 16), nothing said.
-    They go to a queue the topic reads now, once each, and are counted in txmq_schedule_requeued_total."""
+    They go to a queue the topic reads now, once each, and are counted in txmq_requeued_total."""
     hour = "100ms 1h"
     broker = broker_factory("--message-delay-level", hour)
     async with asyncio.timeout(60):
@@ -427,4 +427,4 @@ async def test_delayed_messages_due_in_queues_their_topic_no_longer_reads_go_to_
             await consumer.shutdown()
     assert readable == {0, 1, 2, 3}
     assert set(keys) == sent and max(keys.values()) == 1
-    assert _scrape(broker)[("txmq_schedule_requeued_total", (("topic", "Shrunk"),))] == 8
+    assert _scrape(broker)[("txmq_requeued_total", (("topic", "Shrunk"),))] == 8
