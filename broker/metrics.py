@@ -302,6 +302,10 @@ class BrokerMetrics:
                                         "cannot be delivered (each logged), by reason: removed (by retention "
                                         "before delivery), undecodable (a damaged record), corrupt (its body fails its CRC), no_destination.",
                                         ["reason"], registry=r)
+        self.requeued = Counter("txmq_requeued", "Delayed, timer and retry messages that fell due, and transactional "
+                                "messages committed, for a queue their topic no longer reads (its queues cut while "
+                                "they waited), written to one it reads (their queue id mod its read queues), by "
+                                "topic.", ["topic"], registry=r)
         self.schedule_delivered_late = Counter("txmq_schedule_delivered_late", "Scheduled messages delivered "
                                                "more than 1 s after they were due.", registry=r)
         self.finish_latency = Histogram("rocketmq_finish_message_latency",
@@ -400,6 +404,7 @@ class BrokerMetrics:
         if self._in.pop(topic, None) is not None:
             self.put_windows.forget((topic,))
         self._forget_out((topic,), lambda labels: labels[0] == topic)
+        self._forget_series((self.requeued,), (topic,), lambda labels: labels[0] == topic)
 
     def forget_consumer_group(self, group: str) -> None:
         """Drop the delivery series and rates of a deleted consumer group (DELETE_SUBSCRIPTIONGROUP)."""

@@ -102,6 +102,24 @@ class TopicConfig:
         return max(self.read_queue_nums, self.write_queue_nums)
 
 
+def readable_queue(topics: dict[str, TopicConfig], topic: str, qid: int) -> tuple[int, int]:
+    """(the queue a message for ``topic`` queue ``qid`` is written to, the queue count that moved it or 0).
+    ``qid``, unless the topic no longer reads it: its queues cut (updateTopic -r 4 -w 4 on a topic of 8) while
+    the message waited -- in SCHEDULE_TOPIC_XXXX (a delay, a timer, a retry) or as a transaction's half until
+    its COMMIT -- where RocketMQ 4.9.8 writes REAL_QID, a queue no consumer reads, nothing said. Then
+    ``qid`` modulo the topic's read queue count (a retry topic's: the smaller of its read and write counts, as
+    one past its retryQueueNums gets no more retries). A topic not there (or reading none) is left as it is: a
+    retry's is made again with the queues it needs (TopicManager.queue_appeared)."""
+    tc = topics.get(topic)
+    if tc is None:
+        return qid, 0
+    queues = (min(tc.read_queue_nums, tc.write_queue_nums) if topic.startswith(RETRY_PREFIX)
+              else tc.read_queue_nums)
+    if queues <= 0 or qid < queues:
+        return qid, 0
+    return qid % queues, queues
+
+
 class TopicManager:
     def __init__(self, config_dir: str, *, auto_create: bool, default_queue_nums: int, cluster: str, broker: str,
                  max_retry_groups: int = 1 << 30, trace_topic: bool = False, per_host: bool = True):

@@ -673,8 +673,25 @@ def _said_not_retried(group: str, offset: int) -> None:
              "in the next minute) is not retried nor dead-lettered, as RocketMQ does", group, offset)
 
 
+def _past_java_int(cmd, *keys):
+    """SYSTEM_ERROR naming the first of ``keys`` (Integer fields of the request's header) past Java's int range, as
+    RocketMQ's header decode throws for it, or None."""
+    for key in keys:
+        value = cmd.int_field(key)
+        if value is not None and not -(1 << 31) <= value <= _MAX_RECONSUME_TIMES:
+            return cmd.response(ResponseCode.SYSTEM_ERROR, f"the header field {key}={cmd.ext_fields[key]!r} is "
+                                "past Java's int range")
+    return None
+
+
 async def handle_send_back(ctx, conn, cmd):
     """A consumer failed a message: copy it to %RETRY%<group>, or %DLQ%<group> when out of retries."""
+    # ConsumerSendMsgBackRequestHeader's Integers. Taken, a maxReconsumeTimes of 2^31 was never reached (the count
+    # stops at the int's maximum): the message was retried for good, never dead-lettered; a delayLevel of 2^31
+    # went to the retry topic at once, its DELAY kept in it.
+    refused = _past_java_int(cmd, "delayLevel", "maxReconsumeTimes")
+    if refused is not None:
+        return refused
     offset = cmd.int_field("offset", required=True)
     group = cmd.str_field("group", required=True)
     delay_level = cmd.int_field("delayLevel", 0)

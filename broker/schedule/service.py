@@ -30,7 +30,7 @@ from protocol.record import store_timestamp_at
 from ..store import PutRequest
 from ..store.results import PutStatus
 from ..store.saved import retrieved
-from ..topics import HALF_TOPIC, RETRY_PREFIX
+from ..topics import HALF_TOPIC, readable_queue
 from .levels import SCHEDULE_TOPIC, TIMER_TOPIC, DelayLevels
 from .progress import (MASTER_COPY_NAME, PROGRESS_TOPIC, SNAPSHOT_NAME, Progress, decode_progress, encode_progress,
                        drop_master_copy, load_snapshot, read_master_copy, write_snapshot)
@@ -73,6 +73,7 @@ class ScheduleService:
         self.write_hung = False         # a delayOffset.json write has run past STOP_WRITE_WAIT_S, not ended yet
         self._writing: asyncio.Future | None = None     # the delayOffset.json write under way (one at a time)
         self._drops: dict[str, int] = {}    # reason -> entries the batch being gathered passes over
+        self._requeued: dict[str, list[int]] = {}   # topic -> [messages, queues it reads]: see _readable_queue
         self._removed: list[tuple[str, int]] = []   # (which, how many): waiting ones it moves past, removed
         self._timers_min_seen = 0       # timer queue offsets below it that retention removed are accounted for
         self._timers_min_next = 0
@@ -91,6 +92,7 @@ class ScheduleService:
         self._late = m.schedule_delivered_late
         self._delivered = m.schedule_delivered
         self._dropped_total = m.schedule_dropped        # txmq_schedule_dropped_total{reason}
+        self._requeued_total = m.requeued                # txmq_requeued_total{topic}
 
     # ----------------------------------------------------------- start / stop
     @property
@@ -420,7 +422,7 @@ class ScheduleService:
         """What is due now: (delivery requests with their due times, new level offsets, timer entries taken,
         the earliest time something not yet due falls due), due times by the wall clock."""
         store = self.ctx.store
-        self._drops, self._removed = {}, []
+        self._drops, self._removed, self._requeued = {}, [], {}
         batch: list[tuple[PutRequest, int, str]] = []
         levels: dict[int, int] = {}
         size = 0
@@ -571,18 +573,7 @@ class ScheduleService:
             log.error("%s offset %d (record %d) dropped: %s", source, offset, phys, why)
             self._dropped("no_destination")
             return None
-        if topic.startswith(RETRY_PREFIX):
-            # A retry's queue was one of the group's retryQueueNums when it was handed back. Its topic made again
-            # with fewer since (reclaimed as idle while its retries waited here -- nothing is in it yet -- or
-            # deleted, and made again by a heartbeat after the group's config was lowered or deleted), it landed
-            # in a queue past the topic's: stored, never read. Into one the topic has (a topic not there is made
-            # again for it, with the queues it needs: TopicManager.queue_appeared).
-            tc = self.ctx.topics.topics.get(topic)
-            queues = 0 if tc is None else min(tc.read_queue_nums, tc.write_queue_nums)
-            if queues and qid >= queues:
-                log.info("%s offset %d: retry for %s queue %d goes to queue %d: the topic has %d queues now",
-                         source, offset, topic, qid, qid % queues, queues)
-                qid %= queues
+        qid = self._readable_queue(topic, qid)
         sys_flag = msg.sys_flag
         if sys_flag & 0x4:
             # Only NOT and COMMIT wait here (DelayLevels.divert): PREPARED / ROLLBACK is its bit 0x4 flipped at rest
@@ -598,6 +589,17 @@ class ScheduleService:
             store_host=pack_host(*msg.store_host), properties=properties_to_string(props).encode(),
             reconsume_times=msg.reconsume_times, prepared_offset=msg.prepared_offset)
         return self.ctx.store.copying(phys, PutRequest(record, topic, qid, tags_code(props), sys_flag))
+
+    def _readable_queue(self, topic: str, qid: int) -> int:
+        """The queue a message due for ``topic`` queue ``qid`` goes to (topics.readable_queue), one moved
+        counted for the batch (_deliver). A retry's queue was one of the group's retryQueueNums when it was handed
+        back, and its topic may have been made again with fewer since (reclaimed as idle while its retries waited,
+        or deleted and made again by a heartbeat after the group's config was lowered)."""
+        qid, queues = readable_queue(self.ctx.topics.topics, topic, qid)
+        if queues:
+            counts = self._requeued.setdefault(topic, [0, queues])
+            counts[0] += 1
+        return qid
 
     def _dropped(self, reason: str, n: int = 1) -> None:
         # Counted once the batch's progress is written (_deliver): a refused batch is gathered again.
@@ -658,6 +660,11 @@ class ScheduleService:
         self._progress_end = last.physical_offset + last.size
         for reason, n in self._drops.items():
             self._dropped_total.labels(reason).inc(n)
+        for topic, (n, queues) in self._requeued.items():
+            self.ctx.metrics.child(self._requeued_total, topic).inc(n)
+            log.warning("schedule: %d delayed messages for %s were due in queues past the %d it reads now (its "
+                        "queues were cut while they waited): delivered to queue (their queue id mod %d) instead",
+                        n, topic, queues, queues)
         if self._removed:
             log.error("schedule: %d waiting messages were removed by retention before delivery (%s); moved past "
                       "them", sum(n for _, n in self._removed), "; ".join(what for what, _ in self._removed))

@@ -91,6 +91,7 @@ class Tx:
     reasking: bool = False       # its check is such a re-ask: lost again, it waits its schedule (see _lost)
     parked: bool = False         # due, but every producer of its group has its checks in flight (see due)
     deferred: bool = False       # due with no producer of its group here: rescheduled an interval on (see due)
+    requeued: int = 0            # its COMMIT went to real_qid mod this (its topic's read queues, cut since): counted
 
 
 def owner_of(tx: Tx):

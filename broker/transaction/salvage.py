@@ -38,7 +38,7 @@ from protocol.codes import SysFlag
 from protocol.errors import RecordError
 from protocol.message import Prop, decode_record
 
-from ..topics import HALF_TOPIC, OP_TOPIC, TIMER_TOPIC
+from ..topics import HALF_TOPIC, OP_TOPIC, TIMER_TOPIC, readable_queue
 from .core import tx_from_half
 from .records import (COMMIT, DEAD, DEAD_TOPIC, OP_TAG_CHECK, OP_TAG_CODES, OP_TAG_DECISION, P_CHECKS, P_HALF, P_OP,
                       RESUME, ROLLBACK, parse_dead_letter)
@@ -249,6 +249,9 @@ def _copy_queues(tx, half, half_offset: int) -> list[tuple[str, int]]:
     dead-lettered op-unreadable while the timer delivered the message too. (_commits checks the half's offset.)"""
     t = tx_from_half(half)
     queues = [(t.topic, t.real_qid)]
+    moved, cut = readable_queue(tx.ctx.topics.topics, t.topic, t.real_qid)
+    if cut:
+        queues.append((t.topic, moved))     # its topic's queues cut since the half: where its COMMIT went
     if t.delayed and tx.ctx.schedule is not None:
         waits = tx.ctx.schedule.delayed_commit(half, t.topic, t.real_qid, half_offset)
         if waits is not None:

@@ -42,7 +42,7 @@ from protocol.message import Prop, decode_record, offset_msg_id, record_body_len
 from ..answer import Answer
 from ..limits import EveryKey
 from ..results import put_failure_response, response_code, send_ok
-from ..topics import HALF_TOPIC, OP_TOPIC
+from ..topics import HALF_TOPIC, OP_TOPIC, readable_queue
 from .check import CheckTimer, Policy
 from .core import (BUSY, Origin, Reply, SendCheck, TransactionCore, Tx, Wait, Write, asks_delay, owner_of,
                    tx_from_half)
@@ -115,6 +115,7 @@ class TransactionService:
         self._deciding: dict[int, asyncio.Future] = {}
         # Halves a dead_letter() call is dead-lettering: each said in its one line, not a WARNING of its own
         self._said_together: dict[int, _SaidTogether] = {}
+        self._requeue_said: set[tuple[str, int]] = set()    # (topic, its read queues) said at WARNING: _say_requeued
         self.recovered_commits: set[int] = set()
         self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
@@ -835,6 +836,8 @@ class TransactionService:
         if op == COMMIT:
             metrics.child(metrics.commits, tx.group).inc()
             metrics.count_in(tx.topic, 1, size)
+            if tx.requeued:
+                self._say_requeued(tx)
         elif op == ROLLBACK:
             metrics.child(metrics.rollbacks, tx.group).inc()
         else:
@@ -846,6 +849,22 @@ class TransactionService:
                 _say_dead_letter(tx, reason)
         metrics.child(metrics.finish_latency, tx.group).observe(max(0, took_ms) / 1000)
         return op
+
+    def _say_requeued(self, tx: Tx) -> None:
+        """Count a committed message written to another queue than its half's (see _decision_records); say it at
+        WARNING the first time for its topic and queue count (a topic's every commit then is not a line each)."""
+        metrics = self.ctx.metrics
+        metrics.child(metrics.requeued, tx.topic).inc()
+        said = (tx.topic, tx.requeued)
+        if said in self._requeue_said:
+            return
+        if len(self._requeue_said) >= 4096:
+            self._requeue_said.clear()
+        self._requeue_said.add(said)
+        log.warning("transaction %s (group %s): committed for %s queue %d, past the %d it reads now (its queues were "
+                    "cut since the half was sent): written to queue %d instead; later ones of %s are counted in "
+                    "txmq_requeued_total", tx.uniq_key, tx.group, tx.topic, tx.real_qid, tx.requeued,
+                    tx.real_qid % tx.requeued, tx.topic)
 
     def _decision_records(self, p: Tx, op: str, reason: str | None):
         rf = self.records
@@ -871,7 +890,10 @@ class TransactionService:
                 half.properties.pop(P_OWNER, None)      # the broker's mark on the half (records.committed)
                 real = self.ctx.schedule.delayed_commit(half, p.topic, p.real_qid, p.half_offset)
             if real is None:
-                real = rf.committed(view, p.half_offset, p.topic, p.real_qid, p.tags_code)
+                # its topic's queues cut since the half (updateTopic -r 4 -w 4 on 8): into one it reads, as a
+                # delayed one is when due (schedule), not REAL_QID where no consumer reads it (as 4.9.8 does)
+                qid, p.requeued = readable_queue(self.ctx.topics.topics, p.topic, p.real_qid)
+                real = rf.committed(view, p.half_offset, p.topic, qid, p.tags_code)
             return [self.ctx.store.copying(p.half_offset, real), rf.decision(COMMIT, p.half_offset, p.queue_offset)]
         half, _ = decode_record(view)
         try:

@@ -28,6 +28,7 @@ from tests.integration.test_corrupt_records import (FLAGS, SEG, _corrupt_count, 
                                                     _pull_all, _request, _Unknown)
 from tests.support.bounded import bounded
 from tests.support.broker_process import NO_CHECKS
+from tests.support.cluster_process import create_topic
 from tests.support.faketime import LIBFAKETIME, past_env
 
 pytestmark = pytest.mark.asyncio
@@ -426,3 +427,37 @@ async def test_a_rollback_record_whose_tag_went_bad_still_says_rollback(broker_f
     assert b.stop() == 0
     assert f"the op record at commit-log offset {pos} (half {half}) cannot be read (its properties are damaged); " \
            "ROLLBACK, as its own TXMQ_OP says" in b.log()
+
+
+@bounded(90)
+async def test_an_unreadable_op_of_a_commit_moved_to_a_queue_its_topic_reads_finds_its_committed_message(
+        broker_factory, tmp_path):
+    """A half sent to queue 6 of 8, its topic cut to 4 before the COMMIT: the committed message is in queue 2 (its
+    queue id mod 4), not REAL_QID's 6. Its op record's properties gone bad and the decision table lost, recovery
+    looked for it in queue 6 alone, found nothing, and dead-lettered the transaction op-unreadable as well: its
+    message delivered and dead-lettered both. It finds it in queue 2, and the transaction stays committed."""
+    group, topic = "PG_opcut", "TxOpCut"
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    await create_topic(b.broker, topic, 8)
+    async with TransactionProducer(b.namesrv, group, _Unknown()) as producer:
+        sent = [(await producer.send_in_transaction(topic, b"tx-%d" % i)).send_result for i in range(8)]
+        [moved] = [r for r in sent if r.queue.queue_id == 6]
+        await create_topic(b.broker, topic, 4)
+        assert await producer._end(b.broker, decode_offset_msg_id(moved.offset_msg_id)[2], moved.queue_offset,
+                                   moved.msg_id, S.COMMIT_MESSAGE, False, None) is True
+    committed = decode_offset_msg_id(moved.offset_msg_id)[2]
+    undecided = {decode_offset_msg_id(r.offset_msg_id)[2] for r in sent} - {committed}
+    await _fill(b)
+    assert b.stop() == 0
+    [(pos, _)] = _op_records(tmp_path / "store")
+    _damage_properties(tmp_path / "store", pos, "zeroed")
+    os.unlink(tmp_path / "store" / "transactions" / "snapshot.json")    # lost: rebuilt from the op records
+    shutil.rmtree(tmp_path / "store" / "transactions" / "decisions")
+
+    b = broker_factory(*FLAGS, *NO_CHECKS)
+    assert await _pending(b) == undecided
+    assert await _bodies(b, topic, "CG_opcut") == [b"tx-%d" % sent.index(moved)]
+    assert await asyncio.to_thread(_dead_letters, b, "op-unreadable") == 0
+    assert b.stop() == 0
+    assert f"the op record at commit-log offset {pos} (half {committed}) cannot be read" in b.log()
+    assert "its committed message" in b.log()

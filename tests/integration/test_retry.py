@@ -584,3 +584,25 @@ async def test_kill_9_with_retries_waiting_in_the_schedule_delivers_each_once_wi
     keys = [m.properties["UNIQ_KEY"] for m in retry]
     assert sorted(keys) == sorted(answered) and answered <= sent
     assert {(m.reconsume_times, m.properties["RETRY_TOPIC"]) for m in retry} == {(1, "SchedRetry")}
+
+
+@bounded(60)
+async def test_a_send_back_whose_counts_are_past_javas_int_is_refused_and_stores_nothing(broker_factory):
+    """ConsumerSendMsgBackRequestHeader's delayLevel and maxReconsumeTimes are Java Integers: RocketMQ 4.9.8's
+    header decode throws past the int range and the send-back is SYSTEM_ERROR, nothing stored. Taken, a
+    maxReconsumeTimes of 2^31 was never reached (the count stops at the int's maximum): the message was retried
+    for good, never dead-lettered; a delayLevel of 2^31 sent the retry at once, its DELAY kept in it."""
+    broker = broker_factory()
+    group = "CG_past_int"
+    async with Producer(broker.namesrv, "PG_past_int") as producer:
+        sent = await producer.send("PastInt", b"fails")
+    offset = int(sent.offset_msg_id[-16:], 16)
+    for field, value in (("maxReconsumeTimes", 1 << 31), ("delayLevel", 1 << 31), ("delayLevel", -(1 << 31) - 1)):
+        fields = {"offset": offset, "group": group, "delayLevel": 0, "maxReconsumeTimes": 16, field: value}
+        resp = await _call(broker, RequestCode.CONSUMER_SEND_MSG_BACK, fields)
+        assert (resp.code, resp.remark) == (ResponseCode.SYSTEM_ERROR,
+                                            f"the header field {field}={str(value)!r} is past Java's int range")
+    for topic in (f"%RETRY%{group}", f"%DLQ%{group}"):
+        resp = await _call(broker, RequestCode.GET_MAX_OFFSET, {"topic": topic, "queueId": 0})
+        assert resp.code != ResponseCode.SUCCESS or resp.int_field("offset") == 0, resp.remark
+    assert sum([await _queue_size(broker, "SCHEDULE_TOPIC_XXXX", qid) for qid in range(18)]) == 0

@@ -22,7 +22,8 @@ from producer import LocalTransactionState, Producer, TransactionProducer
 from protocol.codes import RequestCode, ResponseCode, SysFlag
 from protocol.errors import MessageIllegalError
 from protocol.message import SendMessageRequestHeader, properties_to_string
-from tests.support.cluster_process import request, stored_count
+from producer.routes import MessageQueue
+from tests.support.cluster_process import create_topic, request, stored_count
 from tests.support.delays import FAST
 
 pytestmark = pytest.mark.asyncio
@@ -397,3 +398,33 @@ async def test_messages_of_a_dropped_level_go_once_across_a_kill_9_and_a_start_w
         keys = await _count_keys(broker.namesrv, "CutKill")
     assert set(keys) == sent and max(keys.values()) == 1
     assert _scrape(broker)[("txmq_schedule_messages_waiting", (("level", "18"),))] == 0
+
+
+async def test_delayed_messages_due_in_queues_their_topic_no_longer_reads_go_to_one_it_reads(broker_factory):
+    """A topic cut from 8 queues to 4 (updateTopic -r 4 -w 4, once queues 4..7 were drained: their lag read 0) while
+    delayed messages sent to queues 4..7 still waited: delivered to those queues, as RocketMQ 4.9.8's
+    ScheduleMessageService writes REAL_QID, they were stored where no consumer reads (8 of 16), nothing said.
+    They go to a queue the topic reads now, once each, and are counted in txmq_requeued_total."""
+    hour = "100ms 1h"
+    broker = broker_factory("--message-delay-level", hour)
+    async with asyncio.timeout(60):
+        await create_topic(broker.broker, "Shrunk", 8)
+        async with Producer(broker.namesrv, "PG_shrunk") as producer:
+            sent = {(await producer.send("Shrunk", b"s%d" % i, delay_level=2,
+                                         queue=MessageQueue("Shrunk", "broker-a", i % 8))).msg_id
+                    for i in range(16)}
+        await create_topic(broker.broker, "Shrunk", 4)
+        assert broker.stop() == 0
+        broker = broker_factory("--message-delay-level", "100ms 100ms")   # due at once: stored an hour before it
+        delivered = ("txmq_schedule_delivered_total", (("level", "2"),))
+        while _scrape(broker).get(delivered, 0) < 16:
+            await asyncio.sleep(0.05)
+        keys = await _count_keys(broker.namesrv, "Shrunk")
+        consumer = PullConsumer(broker.namesrv, "CG_shrunk")
+        try:
+            readable = {mq.queue_id for mq in await consumer.fetch_queues("Shrunk")}
+        finally:
+            await consumer.shutdown()
+    assert readable == {0, 1, 2, 3}
+    assert set(keys) == sent and max(keys.values()) == 1
+    assert _scrape(broker)[("txmq_requeued_total", (("topic", "Shrunk"),))] == 8

@@ -19,6 +19,7 @@ from protocol.frame import FrameDecoder
 from protocol.message import decode_offset_msg_id
 from tests.support.bounded import bounded
 from tests.support.broker_process import NO_CHECKS
+from tests.support.cluster_process import create_topic, stored_count
 
 pytestmark = pytest.mark.asyncio
 
@@ -585,3 +586,26 @@ async def test_a_half_refused_at_the_brokers_undecided_limit_runs_no_local_trans
     assert ran == []
     listed = json.loads((await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS)).body_bytes())
     assert [t["group"] for t in listed["pending"]] == ["PG_holds_two"] * 2, listed
+
+
+@bounded(60)
+async def test_a_commit_for_a_queue_its_topic_no_longer_reads_goes_to_one_it_reads(broker_factory):
+    """Halves sent to queues 0..7 of a topic of 8, the topic cut to 4 (updateTopic -r 4 -w 4) before the COMMITs:
+    each committed message was written to its half's REAL_QID, as RocketMQ 4.9.8's EndTransactionProcessor does,
+    4 of 8 where no consumer reads, nothing said. They go to a queue the topic reads (queue id mod 4), counted in
+    txmq_requeued_total{topic} (test_op_damage.py: recovery finds them there)."""
+    b = broker_factory(*NO_CHECKS)
+    await create_topic(b.broker, "TxCut", 8)
+    async with TransactionProducer(b.namesrv, "PG_cut", Listener(execute=S.UNKNOW)) as producer:
+        halves = [(await producer.send_in_transaction("TxCut", b"c%d" % i)).send_result for i in range(8)]
+        assert {r.queue.queue_id for r in halves} == set(range(8))
+        await create_topic(b.broker, "TxCut", 4)
+        for r in halves:
+            assert await producer._end(b.broker, decode_offset_msg_id(r.offset_msg_id)[2], r.queue_offset,
+                                       r.msg_id, S.COMMIT_MESSAGE, False, None) is True
+    assert (await stored_count(b.broker, "TxCut", 4), await stored_count(b.broker, "TxCut", 8)) == (8, 8)
+    assert sorted(await _drain(b.namesrv, "TxCut", expect=8)) == sorted(b"c%d" % i for i in range(8))
+    metrics = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=5).read().decode()
+    assert 'txmq_requeued_total{topic="TxCut"} 4.0' in metrics.splitlines()
+    assert b.stop() == 0
+    assert b.log().count("past the 4 it reads now") == 1       # one WARNING for the topic, not one a commit
