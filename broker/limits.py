@@ -73,9 +73,12 @@ class EveryKey:
         return True
 
     def full(self) -> bool:
-        """Whether this interval's ``total`` is said: a due() False for that, not for the key said lately."""
+        """Whether this interval's ``total`` is said, or the rest of it held for the keys held back last interval: a
+        due() False for that, not for the key said lately. (Counting only those said, a key refused for the room
+        held was taken for one said lately: a summary line not said, a dead-lettered COMMIT named nowhere.)"""
         began, n = self._window
-        return self.total is not None and n >= self.total and self.clock() - began < self.interval_s
+        return (self.total is not None and n + len(self._first) >= self.total
+                and self.clock() - began < self.interval_s)
 
 
 _NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")     # RFC 6052: an IPv4 address in its last 32 bits

@@ -442,6 +442,7 @@ def test_every_key_with_a_total_says_at_most_that_many_keys_an_interval():
     assert [said.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False]
     now[0] += 60.0      # c and d held back do not come back: they hold their room for that interval alone
     assert [said.due(k) for k in ("e", "f")] == [False, False]
+    assert said.full()  # (refused for that room, not for a key said lately: its caller sums them up)
     now[0] += 60.0
     assert not said.full() and [said.due(k) for k in ("a", "e", "f")] == [False, True, True] and said.full()
     now[0] += 60.0

@@ -1083,6 +1083,27 @@ async def test_every_commit_after_a_dead_letter_is_named_even_past_the_lines_a_m
     await ctx.store._store.close()
 
 
+async def test_commits_after_a_dead_letter_are_named_in_the_minute_after_a_busy_one(tmp_path, caplog):
+    """The minute after one past its 20 lines holds room for the keys it held back (EveryKey's first claim): a new
+    one refused for that room, not for the 20 said, was kept for no summary and named nowhere."""
+    clock = Clock()
+    ctx = await make_service(tmp_path, clock)
+    said = ctx.tx._dead_commit_said
+    ticks = [0.0]
+    said.clock = lambda: ticks[0]
+    caplog.set_level(logging.ERROR, logger="txmq")
+    _commit_late(ctx, range(1000, 1030))
+    ticks[0] = 61.0
+    ctx.tx.say_unsaid_dead_commits()
+    offsets = list(range(2000, 2030))
+    _commit_late(ctx, offsets)
+    ticks[0] = 122.0
+    ctx.tx.say_unsaid_dead_commits()
+    text = caplog.text
+    assert [off for off in offsets if f"admin resume {off}" not in text and f" {off}" not in text] == []
+    await ctx.store._store.close()
+
+
 async def test_commits_after_a_dead_letter_past_the_lines_a_minute_are_named_at_stop(tmp_path, caplog):
     """Those past the 20 ERROR lines a minute wait for the minute's end to be named (the snapshot loop's turn): a
     stop within that minute cancelled the loop and dropped them, counted and named nowhere (a stock client's END
