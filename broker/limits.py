@@ -34,7 +34,8 @@ class EveryKey:
     ``max_keys`` (cleared when full: a key a client chooses must not grow it). For lines said on a request
     path about a name a client gave (a group, a topic), which a loop of requests would repeat without end."""
 
-    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic, *, total: int | None = None):
+    def __init__(self, interval_s: float, max_keys: int = 1024, clock=time.monotonic, *, total: int | None = None,
+                 rotate: bool = False):
         self.interval_s = interval_s
         self.max_keys = max_keys
         self.clock = clock
@@ -46,7 +47,10 @@ class EveryKey:
         # Keys refused as an interval's ``total`` was said, and those refused in the interval before, which have the
         # first claim on this one's: the keys said in one interval are due again as the next begins, and where they
         # come first each time (a pass in the same order), they took every interval's ``total`` and the others were
-        # never said. A key with the first claim that does not come back holds its room for that interval alone.
+        # never said. A key with the first claim that does not come back holds its room for that interval alone,
+        # so this is for keys that recur (``rotate``: a group named each pass); keys said once (one transaction's
+        # line) would hold a busy minute's ``total`` in the next for nothing.
+        self.rotate = rotate
         self._refused: set[str] = set()
         self._first: set[str] = set()
 
@@ -61,7 +65,7 @@ class EveryKey:
                 self._first, self._refused = self._refused, set()
             first = self._first
             if n >= self.total or (key not in first and n + len(first) >= self.total):
-                if len(self._refused) < self.max_keys:
+                if self.rotate and len(self._refused) < self.max_keys:
                     self._refused.add(key)
                 self._window = (began, n)
                 return False        # (not marked said: said once the interval is over)

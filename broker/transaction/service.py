@@ -135,7 +135,7 @@ class TransactionService:
         self._silent_said = EveryKey(60, max_keys=_SILENT_KEYS_MAX, clock=lambda: ctx.monotonic() / 1000)
         # Groups whose due transactions found no producer to ask: each said every 10 minutes (group names are the
         # halves' own, chosen by clients: 20 groups an interval at most).
-        self._nobody_said = EveryKey(600, total=20, clock=lambda: ctx.monotonic() / 1000)
+        self._nobody_said = EveryKey(600, total=20, rotate=True, clock=lambda: ctx.monotonic() / 1000)
         # ... once nobody was there for an interval: a producer restarted (a deploy) is back within it, its group's
         # deferred checked at once, and that is no news. {group: when its due transactions first found nobody}
         self._nobody_since: dict[str, int] = {}

@@ -429,10 +429,15 @@ def test_every_key_with_a_total_says_at_most_that_many_keys_an_interval():
     """``total``: new keys (made-up groups a client names at no cost) were a line each; at most ``total`` are said
     an interval, ``full`` saying why the rest were not (a summary line), and a key held back is said once the
     interval is over, before the keys said in the last: those came first again in the next interval (a pass in the
-    same order) and took its ``total`` each time, the others never said."""
+    same order) and took its ``total`` each time, the others never said (``rotate``, for keys that recur)."""
     from broker.limits import EveryKey
     now = [100.0]
-    said = EveryKey(60.0, clock=lambda: now[0], total=2)
+    plain = EveryKey(60.0, clock=lambda: now[0], total=2)
+    assert [plain.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False] and plain.full()
+    now[0] += 60.0      # keys said once (one transaction each) hold no room in the next interval
+    assert not plain.full() and plain.due("c") and plain.due("e") and plain.full()
+    now[0] = 100.0
+    said = EveryKey(60.0, clock=lambda: now[0], total=2, rotate=True)
     assert [said.due(k) for k in ("a", "b", "c", "d")] == [True, True, False, False]
     assert said.full()
     now[0] += 60.0
