@@ -27,6 +27,7 @@ from protocol.message import (TIMER_PROPS, Prop, decode_record, encode_record, p
                               tags_code, validate_topic)
 from protocol.record import store_timestamp_at
 
+from ..limits import EveryKey
 from ..store import PutRequest
 from ..store.results import PutStatus
 from ..store.saved import retrieved
@@ -74,6 +75,7 @@ class ScheduleService:
         self._writing: asyncio.Future | None = None     # the delayOffset.json write under way (one at a time)
         self._drops: dict[str, int] = {}    # reason -> entries the batch being gathered passes over
         self._requeued: dict[str, list[int]] = {}   # topic -> [messages, queues it reads]: see _readable_queue
+        self._requeue_said = EveryKey(float("inf"), max_keys=4096)     # "topic\0queues it reads" said at WARNING
         self._removed: list[tuple[str, int]] = []   # (which, how many): waiting ones it moves past, removed
         self._timers_min_seen = 0       # timer queue offsets below it that retention removed are accounted for
         self._timers_min_next = 0
@@ -662,9 +664,12 @@ class ScheduleService:
             self._dropped_total.labels(reason).inc(n)
         for topic, (n, queues) in self._requeued.items():
             self.ctx.metrics.child(self._requeued_total, topic).inc(n)
-            log.warning("schedule: %d delayed messages for %s were due in queues past the %d it reads now (its "
-                        "queues were cut while they waited): delivered to queue (their queue id mod %d) instead",
-                        n, topic, queues, queues)
+            if not self._requeue_said.due(f"{topic}\0{queues}"):   # once a topic and queue count: counted after
+                continue
+            log.warning("schedule: %d delayed, timer or retry messages for %s were due in queues past the %d it "
+                        "reads now (its queues were cut while they waited): delivered to queue (their queue id mod "
+                        "%d) instead; later ones of %s are counted in txmq_requeued_total", n, topic, queues, queues,
+                        topic)
         if self._removed:
             log.error("schedule: %d waiting messages were removed by retention before delivery (%s); moved past "
                       "them", sum(n for _, n in self._removed), "; ".join(what for what, _ in self._removed))

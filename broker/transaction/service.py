@@ -115,7 +115,7 @@ class TransactionService:
         self._deciding: dict[int, asyncio.Future] = {}
         # Halves a dead_letter() call is dead-lettering: each said in its one line, not a WARNING of its own
         self._said_together: dict[int, _SaidTogether] = {}
-        self._requeue_said: set[tuple[str, int]] = set()    # (topic, its read queues) said at WARNING: _say_requeued
+        self._requeue_said = EveryKey(float("inf"), max_keys=4096)    # "topic\0its read queues" said: _say_requeued
         self.recovered_commits: set[int] = set()
         self.recovered_dead_letter: tuple[int, int] | None = None     # (offset, size)
         self.storing: list[int] = []      # half-queue end offsets seen by halves still being stored
@@ -855,12 +855,8 @@ class TransactionService:
         WARNING the first time for its topic and queue count (a topic's every commit then is not a line each)."""
         metrics = self.ctx.metrics
         metrics.child(metrics.requeued, tx.topic).inc()
-        said = (tx.topic, tx.requeued)
-        if said in self._requeue_said:
+        if not self._requeue_said.due(f"{tx.topic}\0{tx.requeued}"):
             return
-        if len(self._requeue_said) >= 4096:
-            self._requeue_said.clear()
-        self._requeue_said.add(said)
         log.warning("transaction %s (group %s): committed for %s queue %d, past the %d it reads now (its queues were "
                     "cut since the half was sent): written to queue %d instead; later ones of %s are counted in "
                     "txmq_requeued_total", tx.uniq_key, tx.group, tx.topic, tx.real_qid, tx.requeued,

@@ -598,6 +598,33 @@ async def test_a_retry_due_in_a_queue_its_retry_topic_no_longer_has_is_delivered
 
 
 @bounded()
+async def test_messages_requeued_batch_after_batch_are_said_once_for_their_topic_and_counted(tmp_path, caplog):
+    """A topic left reading fewer queues than it writes (a shrink half done) gets delayed messages for the queues
+    it no longer reads batch after batch: each batch was a WARNING, for as long as it lasted. Said once for the
+    topic and its queue count, every one counted in txmq_requeued_total."""
+    from broker.topics import TopicConfig
+    clock = Clock(100_000)
+    svc = await _service(tmp_path, clock)
+    svc.ctx.topics.topics["Cut"] = TopicConfig("Cut", 2, 4)         # reads 2 of the 4 it writes
+    store = svc.ctx.store
+    caplog.set_level(logging.WARNING, logger="txmq")
+    for batch in range(3):
+        props = {"DELAY": "1"}
+        d = svc.levels.divert("Cut", 3, props, 0, clock.now)
+        record = encode_record(topic=d.topic.encode(), body=b"%d" % batch, queue_id=d.queue_id, flag=0,
+                               sys_flag=0, born_timestamp=clock.now, born_host=HOST, store_host=HOST,
+                               properties=properties_to_string(props).encode())
+        assert (await store.put(PutRequest(record, d.topic, d.queue_id, d.tags_code, 0, d.delay_ms))).ok
+        clock.now += 1_000
+        assert await svc.run_due(clock.now, clock.now) == 1
+    assert store.max_offset("Cut", 1) == 3 and store.max_offset("Cut", 3) == 0       # queue 3 mod 2
+    assert caplog.text.count("past the 2 it reads now") == 1
+    assert svc.ctx.metrics.requeued.labels("Cut")._value.get() == 3
+    await svc.stop()
+    await store.close()
+
+
+@bounded()
 async def test_a_delivery_whose_queue_file_cannot_be_made_waits_in_the_schedule_queue(tmp_path, monkeypatch):
     """Past the open-files limit a delivery into a new queue was stored and its unit waited in memory,
     unreadable, the store's checkpoint standing still until a descriptor came free (a crash then re-read the log
