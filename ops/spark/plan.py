@@ -134,15 +134,14 @@ def validate_plan_file(path: str) -> dict:
     def on_halves():        # (a plan with "halves" twice: the last is the plan's, as json.load's)
         nonlocal problems
         problems = _Problems()
-        state.update(i=0, last=None, sorted=True, cutoff=None)
-        return each
+        try:        # (the plan's fields before its halves, as the expiry job writes them)
+            cutoff = _head_cutoff(plan.head)
+        except PlanError:
+            cutoff = None   # (not yet read, or wrong: said once the whole head is read, the halves checked after)
+        state.update(i=0, last=None, sorted=True, cutoff=cutoff)
+        return each if cutoff is not None else None
 
     def each(h):
-        if state["cutoff"] is None:
-            try:        # (the plan's fields before its halves, as the expiry job writes them)
-                state["cutoff"] = _head_cutoff(plan.head)
-            except PlanError:
-                return  # (not yet read, or wrong: said once the whole head is read, the halves checked after)
         i, state["i"] = state["i"], state["i"] + 1
         problems.add(_half_problems(f"halves[{i}]", h, state["cutoff"]))
         if isinstance(h, dict) and _is_int(h.get("commit_log_offset")):

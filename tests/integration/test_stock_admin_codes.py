@@ -1299,5 +1299,6 @@ async def test_a_pull_consumers_status_holds_the_offsets_it_fetched(broker):
         assert await consumer.fetch_offset(mq) == 3
         assert await reported() == {consumer.client_id: {mq.queue_id: 3}}
         await consumer.commit_offset(mq, 5)
+        assert await reported() == {consumer.client_id: {mq.queue_id: 5}}     # (a commit after the fetch wins)
         assert await consumer.fetch_offset(mq) == 5
         assert await reported() == {consumer.client_id: {mq.queue_id: 5}}
