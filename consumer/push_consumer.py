@@ -45,6 +45,14 @@ from .pull_consumer import (DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSe
 from .rebalance import allocate_averagely
 
 _JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: retried in place for good
+
+
+def _is_power_of_ten(n: int) -> bool:
+    """1, 10, 100, ...: when a count that grows for good is said again."""
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
+
 # A heartbeat that could not reach a broker (it is down, or restarting) is tried again after this, doubling up to
 # _BEAT_RETRY_MAX_S (never past rebalance_interval_s), as the producer's; and a beat a lost connection asks for comes
 # no sooner than this after the last, so connections that keep breaking never make a reconnect storm.
@@ -199,6 +207,7 @@ class PushConsumer:
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
+        self._held: dict[MessageQueue, int] = {}      # orderly/broadcasting: queue -> retries of its message in place
         self._owned: set[MessageQueue] = set()
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
@@ -784,6 +793,12 @@ class PushConsumer:
         self._relock_now.set()
 
     @property
+    def stalled_queues(self) -> dict[MessageQueue, int]:
+        """Orderly and broadcasting: the queues held at a message the listener keeps failing (retried in place, no
+        later message of the queue consumed meanwhile), each with its retries so far."""
+        return dict(self._held)
+
+    @property
     def locked_queues(self) -> set[MessageQueue]:
         """Orderly: the owned queues this consumer holds the broker's lock on now."""
         return {q for q in self._owned if self._locked(q)}
@@ -1051,35 +1066,57 @@ class PushConsumer:
     async def _consume_in_place(self, mq: MessageQueue, msg: MessageExt) -> None:
         """Orderly and broadcasting: a failed message is retried here, in its place in the queue, every
         ``suspend_s``; after ``max_reconsume_times`` an orderly one goes to %DLQ%<group> and a
-        broadcasting one is dropped, loudly."""
+        broadcasting one is dropped, loudly. Meanwhile the queue is in stalled_queues and said held (_say_held)."""
         retries = 0
-        while await self._listen(msg) is not ConsumeStatus.CONSUME_SUCCESS:
-            if retries >= self.max_reconsume_times:
-                if self.broadcasting:
-                    self.dropped += 1
-                    log.error("broadcasting consumer %s gives up %s of %s after %d retries", self.group,
-                              msg.msg_id, mq, retries)
-                    return
-                while True:
-                    try:     # with the retries counted here, as RocketMQ's orderly consumer sends it
-                        await self.client.dead_letter(mq, msg, max_reconsume_times=self.max_reconsume_times)
-                        return
-                    except BrokerError as exc:
-                        if self._halted(mq):
-                            log.warning("could not dead-letter %s (%s) while shutting down or giving %s away: "
-                                        "left uncommitted", msg.msg_id, exc, mq)
-                            raise _Stopping() from None
-                        log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
-                        await asyncio.sleep(self.local_retry_delay_s)
-            if self._halted(mq):    # retried in place by whoever consumes the queue next, in its order
-                raise _Stopping()
-            retries += 1
-            msg.reconsume_times += 1
-            await asyncio.sleep(self.suspend_s)
-            if self._halted(mq):
-                raise _Stopping()
-            if self.orderly and not self._locked(mq):
-                raise _LockLost()
+        try:
+            while await self._listen(msg) is not ConsumeStatus.CONSUME_SUCCESS:
+                if retries >= self.max_reconsume_times:
+                    return await self._give_up(mq, msg, retries)
+                if self._halted(mq):    # retried in place by whoever consumes the queue next, in its order
+                    raise _Stopping()
+                retries += 1
+                msg.reconsume_times += 1
+                self._say_held(mq, msg, retries)
+                await asyncio.sleep(self.suspend_s)
+                if self._halted(mq):
+                    raise _Stopping()
+                if self.orderly and not self._locked(mq):
+                    raise _LockLost()
+        finally:
+            self._held.pop(mq, None)
+
+    def _say_held(self, mq: MessageQueue, msg: MessageExt, retries: int) -> None:
+        """A queue held at a message retried in place: in stalled_queues, and a WARNING at its 1st retry and its 10th,
+        100th, ... An orderly listener answering RECONSUME_LATER (SUSPEND_CURRENT_QUEUE_A_MOMENT) for good, with
+        max_reconsume_times left at Integer.MAX_VALUE as RocketMQ's, stalled its queue with not a line said."""
+        self._held[mq] = retries
+        if not _is_power_of_ten(retries):
+            return
+        until = (f"or {self.max_reconsume_times} retries pass" if self.max_reconsume_times < _JAVA_INT_MAX
+                 else "(max_reconsume_times not set: for good)")
+        log.warning("%s consumer %s: queue %d of %s on %s is held at %s (offset %d), retried in place %d time(s): "
+                    "nothing after it in the queue is consumed until the listener returns CONSUME_SUCCESS %s; said "
+                    "again at the 10th, 100th, ... retry", "orderly" if self.orderly else "broadcasting", self.group,
+                    mq.queue_id, mq.topic, mq.broker_name, msg.msg_id, msg.queue_offset, retries, until)
+
+    async def _give_up(self, mq: MessageQueue, msg: MessageExt, retries: int) -> None:
+        """A message retried in place max_reconsume_times: an orderly one dead-lettered, a broadcasting one dropped."""
+        if self.broadcasting:
+            self.dropped += 1
+            log.error("broadcasting consumer %s gives up %s of %s after %d retries", self.group,
+                      msg.msg_id, mq, retries)
+            return
+        while True:
+            try:     # with the retries counted here, as RocketMQ's orderly consumer sends it
+                await self.client.dead_letter(mq, msg, max_reconsume_times=self.max_reconsume_times)
+                return
+            except BrokerError as exc:
+                if self._halted(mq):
+                    log.warning("could not dead-letter %s (%s) while shutting down or giving %s away: "
+                                "left uncommitted", msg.msg_id, exc, mq)
+                    raise _Stopping() from None
+                log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
+                await asyncio.sleep(self.local_retry_delay_s)
 
     # ------------------------------------------------------------ offsets
     async def _commit(self, mq: MessageQueue, again: bool = False, oneway: bool = False) -> None:

@@ -297,3 +297,48 @@ async def test_consume_from_timestamp_starts_a_new_groups_queue_at_the_message_s
     assert got == [(m.queue_offset, m.body) for m in late]      # from the first late one, none of the early
     with pytest.raises(ValueError, match="consume_from=\"timestamp\" only"):
         PushConsumer(broker.namesrv, "CG_x", listener, consume_from="last", consume_timestamp_ms=1)
+
+
+@bounded(60)
+async def test_an_orderly_queue_held_at_a_failing_message_is_said_and_shown_not_silent(broker, caplog):
+    """An orderly listener that keeps answering RECONSUME_LATER (SUSPEND_CURRENT_QUEUE_A_MOMENT) holds its queue at
+    that message for good (max_reconsume_times is Integer.MAX_VALUE by default, as RocketMQ's). Nothing was said:
+    the queue stalled with no log line and nothing on the consumer to read. Now a WARNING names the queue, the
+    message and its offset at the first retry and again at the 10th, 100th, ... (bounded), and stalled_queues
+    gives the retries of each queue held; a success clears it."""
+    group, topic = "CG_orderly_stall", "OrderlyStall"
+    async with Producer(broker.namesrv, "PG_orderly_stall") as producer:
+        sent = await producer.send(topic, b"stuck")
+    calls = 0
+    reached = asyncio.Event()
+    fixed = asyncio.Event()
+    healed = asyncio.Event()
+
+    def listener(msg):
+        nonlocal calls
+        if fixed.is_set():
+            healed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        calls += 1
+        if calls == 25:
+            reached.set()
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first", orderly=True, suspend_s=0.01,
+                            max_reconsume_times=-1)
+    consumer.subscribe(topic)
+    caplog.set_level("WARNING", logger="txmq.consumer")
+    await consumer.start()
+    try:
+        await reached.wait()
+        said = [r.getMessage() for r in caplog.records if "held at" in r.getMessage()]
+        assert len(said) == 2, said                   # the 1st and the 10th retry, not one line per retry
+        assert sent.msg_id in said[0] and f"queue {sent.queue.queue_id} " in said[0] and "offset 0" in said[0]
+        [(mq, retries)] = [(q, n) for q, n in consumer.stalled_queues.items() if q.topic == topic]
+        assert mq.queue_id == sent.queue.queue_id and 24 <= retries <= 25
+        fixed.set()
+        await healed.wait()
+        while any(q.topic == topic for q in consumer.stalled_queues):
+            await asyncio.sleep(0.01)
+    finally:
+        await consumer.shutdown()
