@@ -137,6 +137,25 @@ async def test_a_live_orderly_consumers_lock_is_refused_to_another_until_it_expi
         await b.shutdown()
 
 
+@pytest.mark.parametrize("ttl", ["0", "-1"])
+async def test_a_lock_life_of_zero_or_less_is_refused_at_start_not_a_lock_granted_to_everyone(broker_factory, ttl):
+    """--queue-lock-max-live-ms 0 (or -1) was taken: every lock lapsed the moment it was granted, and two consumers
+    of one group asking for the same 4 queues were both granted all 4 (both consumed each queue at once, out of
+    order, with nothing said). Now the broker does not start, and says which setting and why."""
+    with pytest.raises(RuntimeError) as refused:
+        broker_factory("--queue-lock-max-live-ms", ttl)
+    assert f"queue_lock_max_live_ms={ttl} must be positive" in str(refused.value)
+
+
+async def test_a_lock_life_below_what_clients_trust_a_lock_is_warned_at_start(broker_factory):
+    """A lock lapsing before the 30 s a stock orderly consumer trusts it is granted to another consumer while its
+    holder still consumes the queue: legal (tests shorten it), but said at start, naming the setting."""
+    broker = broker_factory("--queue-lock-max-live-ms", str(LOCK_TTL_MS))
+    assert f"queue_lock_max_live_ms={LOCK_TTL_MS} is below the 30000 ms" in broker.log()
+    quiet = broker_factory(store="quiet")
+    assert "queue_lock_max_live_ms" not in quiet.log()
+
+
 async def test_broadcasting_consumers_each_get_every_message_and_keep_their_own_offsets(broker, tmp_path):
     topic, group = "News", "CG_broadcast"
     async with Producer(broker.namesrv, "PG_broadcast") as producer:
