@@ -1109,6 +1109,11 @@ class PushConsumer:
         while True:
             try:     # with the retries counted here, as RocketMQ's orderly consumer sends it
                 await self.client.dead_letter(mq, msg, max_reconsume_times=self.max_reconsume_times)
+                # said: the queue goes on past it, and nothing else on the consumer's side told a message left out
+                log.warning("orderly consumer %s: %s (offset %d of queue %d of %s) failed %d retries in place "
+                            "(max_reconsume_times): dead-lettered to %%DLQ%%%s, its queue goes on past it (-1 retries "
+                            "for good, as RocketMQ's orderly consumer)", self.group, msg.msg_id, msg.queue_offset,
+                            mq.queue_id, mq.topic, retries, self.group)
                 return
             except BrokerError as exc:
                 if self._halted(mq):

@@ -117,15 +117,19 @@ async def _orderly_dead_letters(broker, group: str):
 
 @pytest.mark.parametrize("group, counted", [("CG_orderly_dead", 3), ("G" * 121, 1)], ids=["group", "long-group"])
 @bounded(60)
-async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, counted):
+async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, counted, caplog):
     """An orderly consumer retries a failed message in place, counting each retry on its own, and past
     max_reconsume_times dead-letters it as RocketMQ's (ConsumeMessageOrderlyService.sendMessageBack): a send to
     %RETRY%<group> carrying that count, which the broker stores in %DLQ%<group>. It handed it back with
     CONSUMER_SEND_MSG_BACK and delayLevel -1 instead, which counts from the stored record: every orderly dead
     letter said RECONSUME_TIMES 1 after its 3 retries here (a stock consumer's says 3). A group whose %RETRY%
     topic would be past the name limit (its %DLQ% one is not) is still dead-lettered, by that hand-back."""
+    caplog.set_level("WARNING", logger="txmq.consumer")
     sent, attempts, dead = await _orderly_dead_letters(broker, group)
     assert attempts == [0, 1, 2, 3]                   # the first delivery and three retries in place
+    # said, as the queue goes on past it (nothing on the consumer's side told of a message left out)
+    [said] = [r.getMessage() for r in caplog.records if "dead-lettered to" in r.getMessage()]
+    assert sent.msg_id in said and "3 retries" in said and f"%DLQ%{group}" in said
     [letter] = dead
     assert letter.body == b"poison" and letter.reconsume_times == counted
     assert letter.properties["RETRY_TOPIC"] == "OrderlyDead"
