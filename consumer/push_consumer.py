@@ -134,6 +134,14 @@ class PushConsumer:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every call before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        # 0 or less asked for the locks with no pause: 1,900 LOCK_BATCH_MQ a second to each broker from one consumer
+        for name, period in (("lock_interval_s", lock_interval_s), ("lock_expire_s", lock_expire_s),
+                             ("lock_retry_s", lock_retry_s)):
+            if not period > 0:
+                raise ValueError(f"{name}={period!r}: more than 0 seconds")
+        if lock_interval_s >= lock_expire_s:    # each lock lapsed here before its renewal: the queues stopped each time
+            raise ValueError(f"lock_interval_s={lock_interval_s!r} must be below lock_expire_s={lock_expire_s!r}: a "
+                             "lock is renewed every lock_interval_s and trusted lock_expire_s after its grant")
         if consume_from not in _CONSUME_FROM:
             # anything else was "last": started at the end and stored so (_anchor), the heartbeat saying FIRST
             raise ValueError(f"consume_from={consume_from!r}: \"first\", \"last\" or \"timestamp\"")

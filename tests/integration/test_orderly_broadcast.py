@@ -216,6 +216,18 @@ async def test_an_unknown_message_model_is_refused_at_once():
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")
 
 
+@pytest.mark.parametrize("options, named", [
+    (dict(lock_interval_s=0), "lock_interval_s=0"), (dict(lock_interval_s=-1), "lock_interval_s=-1"),
+    (dict(lock_retry_s=0), "lock_retry_s=0"), (dict(lock_expire_s=0), "lock_expire_s=0"),
+    (dict(lock_interval_s=30, lock_expire_s=30), "must be below lock_expire_s"),
+])
+async def test_lock_periods_that_spin_or_lapse_between_renewals_are_refused_at_once(options, named):
+    """lock_interval_s=0 was taken: the lock loop asked with no pause, 3,856 LOCK_BATCH_MQ in 2 s from one consumer
+    of one queue; an interval at or past lock_expire_s let each lock lapse here before its renewal."""
+    with pytest.raises(ValueError, match=named):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True, **options)
+
+
 @pytest.mark.parametrize("where", ["CONSUME_FROM_TIMESTAMP", "CONSUME_FROM_FIRST_OFFSET", "LAST"])
 async def test_an_unknown_consume_from_is_refused_at_once(where):
     """Anything but "first" was "last": a queue with no offset started at its end (its start stored as such),
