@@ -1062,11 +1062,7 @@ class PushConsumer:
                 await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times)
                 return
             except BrokerError as exc:
-                if self._halted(mq):
-                    log.warning("could not hand %s back (%s) while shutting down or giving %s away: left "
-                                "uncommitted, it comes again", msg.msg_id, exc, mq)
-                    raise _Stopping() from None
-                log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
+                self._not_taken(mq, msg, exc, "hand back", "retrying it here")
                 await asyncio.sleep(self.local_retry_delay_s)
                 if self._halted(mq):    # shutdown or given away meanwhile: no new listener call, as below
                     raise _Stopping()
@@ -1124,12 +1120,17 @@ class PushConsumer:
                             mq.queue_id, mq.topic, retries, self.group)
                 return
             except BrokerError as exc:
-                if self._halted(mq):
-                    log.warning("could not dead-letter %s (%s) while shutting down or giving %s away: "
-                                "left uncommitted", msg.msg_id, exc, mq)
-                    raise _Stopping() from None
-                log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
+                self._not_taken(mq, msg, exc, "dead-letter", "retrying")
                 await asyncio.sleep(self.local_retry_delay_s)
+
+    def _not_taken(self, mq: MessageQueue, msg: MessageExt, exc: BrokerError, what: str, then: str) -> None:
+        """The broker did not take a failed message (``what``: hand back, dead-letter): said; _Stopping when shutting
+        down or giving ``mq`` away meanwhile (left uncommitted, it comes again)."""
+        if self._halted(mq):
+            log.warning("could not %s %s (%s) while shutting down or giving %s away: left uncommitted, it comes again",
+                        what, msg.msg_id, exc, mq)
+            raise _Stopping() from None
+        log.warning("could not %s %s (%s); %s", what, msg.msg_id, exc, then)
 
     # ------------------------------------------------------------ offsets
     async def _commit(self, mq: MessageQueue, again: bool = False, oneway: bool = False) -> None:
