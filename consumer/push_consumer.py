@@ -139,6 +139,11 @@ class PushConsumer:
                              ("lock_retry_s", lock_retry_s)):
             if not period > 0:
                 raise ValueError(f"{name}={period!r}: more than 0 seconds")
+        # 0 or less retried a failed orderly or broadcasting message in place with no pause: 135,036 listener calls
+        # a second on one queue, for good with max_reconsume_times=-1 (RocketMQ's orderly consumer waits 10 ms or more)
+        if not suspend_s > 0:
+            raise ValueError(f"suspend_s={suspend_s!r}: more than 0 seconds (a failed message is retried in place "
+                             "after it; RocketMQ's suspendCurrentQueueTimeMillis, 1 s)")
         if lock_interval_s >= lock_expire_s:    # each lock lapsed here before its renewal: the queues stopped each time
             raise ValueError(f"lock_interval_s={lock_interval_s!r} must be below lock_expire_s={lock_expire_s!r}: a "
                              "lock is renewed every lock_interval_s and trusted lock_expire_s after its grant")
@@ -215,7 +220,8 @@ class PushConsumer:
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
-        self._held: dict[MessageQueue, int] = {}      # orderly/broadcasting: queue -> retries of its message in place
+        # orderly/broadcasting: queue -> (the pull loop retrying its message in place, its retries so far)
+        self._held: dict[MessageQueue, tuple[asyncio.Task | None, int]] = {}
         self._owned: set[MessageQueue] = set()
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
@@ -804,7 +810,8 @@ class PushConsumer:
     def stalled_queues(self) -> dict[MessageQueue, int]:
         """Orderly and broadcasting: the queues held at a message the listener keeps failing (retried in place, no
         later message of the queue consumed meanwhile), each with its retries so far."""
-        return dict(self._held)
+        # copied at once first: read from txmq.sync's thread, a loop over the live dict could see it change size
+        return {mq: retries for mq, (_, retries) in dict(self._held).items()}
 
     @property
     def locked_queues(self) -> set[MessageQueue]:
@@ -1087,13 +1094,15 @@ class PushConsumer:
                 if self.orderly and not self._locked(mq):
                     raise _LockLost()
         finally:
-            self._held.pop(mq, None)
+            # Only its own: a loop given up on (_abandon) ends at last, the queue's new loop perhaps held there
+            if self._held.get(mq, (None,))[0] is asyncio.current_task():
+                del self._held[mq]
 
     def _say_held(self, mq: MessageQueue, msg: MessageExt, retries: int) -> None:
         """A queue held at a message retried in place: in stalled_queues, and a WARNING at its 1st retry and its 10th,
         100th, ... An orderly listener answering RECONSUME_LATER (SUSPEND_CURRENT_QUEUE_A_MOMENT) for good, with
         max_reconsume_times left at Integer.MAX_VALUE as RocketMQ's, stalled its queue with not a line said."""
-        self._held[mq] = retries
+        self._held[mq] = (asyncio.current_task(), retries)
         if not _is_power_of_ten(retries):
             return
         until = (f"or {self.max_reconsume_times} retries pass" if self.max_reconsume_times < _JAVA_INT_MAX

@@ -228,6 +228,17 @@ async def test_lock_periods_that_spin_or_lapse_between_renewals_are_refused_at_o
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True, **options)
 
 
+@pytest.mark.parametrize("suspend_s", [0, -1, float("nan")])
+@pytest.mark.parametrize("model", ["CLUSTERING", "BROADCASTING"])
+async def test_a_suspend_of_zero_or_less_is_refused_at_once_not_a_failing_message_retried_in_a_spin(suspend_s, model):
+    """suspend_s=0 was taken: an orderly (or broadcasting) message its listener failed was retried in place with no
+    pause, 135,036 listener calls in 1 s on one queue with max_reconsume_times=-1, for good (RocketMQ's orderly
+    consumer waits at least 10 ms, ConsumeMessageOrderlyService.submitConsumeRequestLater)."""
+    with pytest.raises(ValueError, match=f"suspend_s={suspend_s!r}: more than 0 seconds"):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=model == "CLUSTERING",
+                     message_model=model, suspend_s=suspend_s)
+
+
 @pytest.mark.parametrize("where", ["CONSUME_FROM_TIMESTAMP", "CONSUME_FROM_FIRST_OFFSET", "LAST"])
 async def test_an_unknown_consume_from_is_refused_at_once(where):
     """Anything but "first" was "last": a queue with no offset started at its end (its start stored as such),
