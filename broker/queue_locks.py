@@ -26,6 +26,9 @@ FILE_NAME = "queueLocks.json"
 # with 5 s to spare, where the whole queue_lock_max_live_ms (60 s) kept the queue of a holder gone during the
 # restart from the rest of its group 25 s longer than any consumer could still be using it.
 RESTORED_LIFE_MS = 35_000
+# How long a stock orderly consumer trusts a lock after its grant (rocketmq.client.rebalance.lockMaxLiveTime): a
+# queue_lock_max_live_ms below it lets the broker grant a queue to another consumer while its holder still consumes it.
+CLIENT_LOCK_TRUST_MS = 30_000
 _SLICE = 2048           # entries encoded at a time (a few ms holding the GIL)
 
 

@@ -48,7 +48,7 @@ from .metrics_http import start_metrics_server
 from .slices import in_slices
 from .processors import broker_table, namesrv_table
 from .processors.transaction import end_plan_watchers
-from .queue_locks import LockFile
+from .queue_locks import CLIENT_LOCK_TRUST_MS, LockFile
 from .registration import BrokerRegistrar
 from .retention import Retention
 from .schedule import DelayLevels, ScheduleService
@@ -207,6 +207,12 @@ class BrokerServer:
         broker_port = broker_srv.sockets[0].getsockname()[1]
         ctx.set_address(c.public_host, broker_port)
 
+        if c.queue_lock_max_live_ms < CLIENT_LOCK_TRUST_MS:
+            log.warning("queue_lock_max_live_ms=%d is below the %d ms a stock orderly consumer trusts a queue lock it "
+                        "was granted (rocketmq.client.rebalance.lockMaxLiveTime; renewed every 20 s): a lock lapses "
+                        "here while its holder still consumes the queue, and another consumer of the group asking "
+                        "then is granted it too: both consume it at once, out of order. Keep it at %d or more (60000, "
+                        "RocketMQ's, by default)", c.queue_lock_max_live_ms, CLIENT_LOCK_TRUST_MS, CLIENT_LOCK_TRUST_MS)
         retention_ms = int(c.file_reserved_hours * 3_600_000)
         levels = DelayLevels(c.message_delay_level, c.timer_max_delay_s * 1000, retention_ms)
         if levels.timer_max_delay_ms < c.timer_max_delay_s * 1000:

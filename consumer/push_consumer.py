@@ -45,6 +45,14 @@ from .pull_consumer import (DEFAULT_MAX_RECONSUME_TIMES, MessageQueue, MessageSe
 from .rebalance import allocate_averagely
 
 _JAVA_INT_MAX = (1 << 31) - 1   # an orderly consumer's maxReconsumeTimes -1: retried in place for good
+
+
+def _is_power_of_ten(n: int) -> bool:
+    """1, 10, 100, ...: when a count that grows for good is said again."""
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
+
 # A heartbeat that could not reach a broker (it is down, or restarting) is tried again after this, doubling up to
 # _BEAT_RETRY_MAX_S (never past rebalance_interval_s), as the producer's; and a beat a lost connection asks for comes
 # no sooner than this after the last, so connections that keep breaking never make a reconnect storm.
@@ -126,6 +134,19 @@ class PushConsumer:
                 raise ValueError(f"{name}={grace!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every call before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        # 0 or less asked for the locks with no pause: 1,900 LOCK_BATCH_MQ a second to each broker from one consumer
+        for name, period in (("lock_interval_s", lock_interval_s), ("lock_expire_s", lock_expire_s),
+                             ("lock_retry_s", lock_retry_s)):
+            if not period > 0:
+                raise ValueError(f"{name}={period!r}: more than 0 seconds")
+        # 0 or less retried a failed orderly or broadcasting message in place with no pause: 135,036 listener calls
+        # a second on one queue, for good with max_reconsume_times=-1 (RocketMQ's orderly consumer waits 10 ms or more)
+        if not suspend_s > 0:
+            raise ValueError(f"suspend_s={suspend_s!r}: more than 0 seconds (a failed message is retried in place "
+                             "after it; RocketMQ's suspendCurrentQueueTimeMillis, 1 s)")
+        if lock_interval_s >= lock_expire_s:    # each lock lapsed here before its renewal: the queues stopped each time
+            raise ValueError(f"lock_interval_s={lock_interval_s!r} must be below lock_expire_s={lock_expire_s!r}: a "
+                             "lock is renewed every lock_interval_s and trusted lock_expire_s after its grant")
         if consume_from not in _CONSUME_FROM:
             # anything else was "last": started at the end and stored so (_anchor), the heartbeat saying FIRST
             raise ValueError(f"consume_from={consume_from!r}: \"first\", \"last\" or \"timestamp\"")
@@ -199,6 +220,8 @@ class PushConsumer:
         self.offset_store = (LocalOffsetStore(offset_store_dir or DEFAULT_DIR, self.client.client_id, group)
                              if broadcasting else BrokerOffsetStore(self.client))
         self.dropped = 0                  # broadcasting: messages given up after max_reconsume_times (logged)
+        # orderly/broadcasting: queue -> (the pull loop retrying its message in place, its retries so far)
+        self._held: dict[MessageQueue, tuple[asyncio.Task | None, int]] = {}
         self._owned: set[MessageQueue] = set()
         self._locks: dict[MessageQueue, float] = {}   # orderly: queue -> monotonic time of the last grant
         self._lock_changed = asyncio.Event()
@@ -784,6 +807,13 @@ class PushConsumer:
         self._relock_now.set()
 
     @property
+    def stalled_queues(self) -> dict[MessageQueue, int]:
+        """Orderly and broadcasting: the queues held at a message the listener keeps failing (retried in place, no
+        later message of the queue consumed meanwhile), each with its retries so far."""
+        # copied at once first: read from txmq.sync's thread, a loop over the live dict could see it change size
+        return {mq: retries for mq, (_, retries) in dict(self._held).items()}
+
+    @property
     def locked_queues(self) -> set[MessageQueue]:
         """Orderly: the owned queues this consumer holds the broker's lock on now."""
         return {q for q in self._owned if self._locked(q)}
@@ -1039,11 +1069,7 @@ class PushConsumer:
                 await self.client.send_back(mq, msg, max_reconsume_times=self.max_reconsume_times)
                 return
             except BrokerError as exc:
-                if self._halted(mq):
-                    log.warning("could not hand %s back (%s) while shutting down or giving %s away: left "
-                                "uncommitted, it comes again", msg.msg_id, exc, mq)
-                    raise _Stopping() from None
-                log.warning("could not hand %s back (%s); retrying it here", msg.msg_id, exc)
+                self._not_taken(mq, msg, exc, "hand back", "retrying it here")
                 await asyncio.sleep(self.local_retry_delay_s)
                 if self._halted(mq):    # shutdown or given away meanwhile: no new listener call, as below
                     raise _Stopping()
@@ -1051,35 +1077,69 @@ class PushConsumer:
     async def _consume_in_place(self, mq: MessageQueue, msg: MessageExt) -> None:
         """Orderly and broadcasting: a failed message is retried here, in its place in the queue, every
         ``suspend_s``; after ``max_reconsume_times`` an orderly one goes to %DLQ%<group> and a
-        broadcasting one is dropped, loudly."""
+        broadcasting one is dropped, loudly. Meanwhile the queue is in stalled_queues and said held (_say_held)."""
         retries = 0
-        while await self._listen(msg) is not ConsumeStatus.CONSUME_SUCCESS:
-            if retries >= self.max_reconsume_times:
-                if self.broadcasting:
-                    self.dropped += 1
-                    log.error("broadcasting consumer %s gives up %s of %s after %d retries", self.group,
-                              msg.msg_id, mq, retries)
-                    return
-                while True:
-                    try:     # with the retries counted here, as RocketMQ's orderly consumer sends it
-                        await self.client.dead_letter(mq, msg, max_reconsume_times=self.max_reconsume_times)
-                        return
-                    except BrokerError as exc:
-                        if self._halted(mq):
-                            log.warning("could not dead-letter %s (%s) while shutting down or giving %s away: "
-                                        "left uncommitted", msg.msg_id, exc, mq)
-                            raise _Stopping() from None
-                        log.warning("could not dead-letter %s (%s); retrying", msg.msg_id, exc)
-                        await asyncio.sleep(self.local_retry_delay_s)
-            if self._halted(mq):    # retried in place by whoever consumes the queue next, in its order
-                raise _Stopping()
-            retries += 1
-            msg.reconsume_times += 1
-            await asyncio.sleep(self.suspend_s)
-            if self._halted(mq):
-                raise _Stopping()
-            if self.orderly and not self._locked(mq):
-                raise _LockLost()
+        try:
+            while await self._listen(msg) is not ConsumeStatus.CONSUME_SUCCESS:
+                if retries >= self.max_reconsume_times:
+                    return await self._give_up(mq, msg, retries)
+                if self._halted(mq):    # retried in place by whoever consumes the queue next, in its order
+                    raise _Stopping()
+                retries += 1
+                msg.reconsume_times += 1
+                self._say_held(mq, msg, retries)
+                await asyncio.sleep(self.suspend_s)
+                if self._halted(mq):
+                    raise _Stopping()
+                if self.orderly and not self._locked(mq):
+                    raise _LockLost()
+        finally:
+            # Only its own: a loop given up on (_abandon) ends at last, the queue's new loop perhaps held there
+            if self._held.get(mq, (None,))[0] is asyncio.current_task():
+                del self._held[mq]
+
+    def _say_held(self, mq: MessageQueue, msg: MessageExt, retries: int) -> None:
+        """A queue held at a message retried in place: in stalled_queues, and a WARNING at its 1st retry and its 10th,
+        100th, ... An orderly listener answering RECONSUME_LATER (SUSPEND_CURRENT_QUEUE_A_MOMENT) for good, with
+        max_reconsume_times left at Integer.MAX_VALUE as RocketMQ's, stalled its queue with not a line said."""
+        self._held[mq] = (asyncio.current_task(), retries)
+        if not _is_power_of_ten(retries):
+            return
+        until = (f"or {self.max_reconsume_times} retries pass" if self.max_reconsume_times < _JAVA_INT_MAX
+                 else "(max_reconsume_times not set: for good)")
+        log.warning("%s consumer %s: queue %d of %s on %s is held at %s (offset %d), retried in place %d time(s): "
+                    "nothing after it in the queue is consumed until the listener returns CONSUME_SUCCESS %s; said "
+                    "again at the 10th, 100th, ... retry", "orderly" if self.orderly else "broadcasting", self.group,
+                    mq.queue_id, mq.topic, mq.broker_name, msg.msg_id, msg.queue_offset, retries, until)
+
+    async def _give_up(self, mq: MessageQueue, msg: MessageExt, retries: int) -> None:
+        """A message retried in place max_reconsume_times: an orderly one dead-lettered, a broadcasting one dropped."""
+        if self.broadcasting:
+            self.dropped += 1
+            log.error("broadcasting consumer %s gives up %s of %s after %d retries", self.group,
+                      msg.msg_id, mq, retries)
+            return
+        while True:
+            try:     # with the retries counted here, as RocketMQ's orderly consumer sends it
+                await self.client.dead_letter(mq, msg, max_reconsume_times=self.max_reconsume_times)
+                # said: the queue goes on past it, and nothing else on the consumer's side told a message left out
+                log.warning("orderly consumer %s: %s (offset %d of queue %d of %s) failed %d retries in place "
+                            "(max_reconsume_times): dead-lettered to %%DLQ%%%s, its queue goes on past it (-1 retries "
+                            "for good, as RocketMQ's orderly consumer)", self.group, msg.msg_id, msg.queue_offset,
+                            mq.queue_id, mq.topic, retries, self.group)
+                return
+            except BrokerError as exc:
+                self._not_taken(mq, msg, exc, "dead-letter", "retrying")
+                await asyncio.sleep(self.local_retry_delay_s)
+
+    def _not_taken(self, mq: MessageQueue, msg: MessageExt, exc: BrokerError, what: str, then: str) -> None:
+        """The broker did not take a failed message (``what``: hand back, dead-letter): said; _Stopping when shutting
+        down or giving ``mq`` away meanwhile (left uncommitted, it comes again)."""
+        if self._halted(mq):
+            log.warning("could not %s %s (%s) while shutting down or giving %s away: left uncommitted, it comes again",
+                        what, msg.msg_id, exc, mq)
+            raise _Stopping() from None
+        log.warning("could not %s %s (%s); %s", what, msg.msg_id, exc, then)
 
     # ------------------------------------------------------------ offsets
     async def _commit(self, mq: MessageQueue, again: bool = False, oneway: bool = False) -> None:

@@ -137,6 +137,25 @@ async def test_a_live_orderly_consumers_lock_is_refused_to_another_until_it_expi
         await b.shutdown()
 
 
+@pytest.mark.parametrize("ttl", ["0", "-1"])
+async def test_a_lock_life_of_zero_or_less_is_refused_at_start_not_a_lock_granted_to_everyone(broker_factory, ttl):
+    """--queue-lock-max-live-ms 0 (or -1) was taken: every lock lapsed the moment it was granted, and two consumers
+    of one group asking for the same 4 queues were both granted all 4 (both consumed each queue at once, out of
+    order, with nothing said). Now the broker does not start, and says which setting and why."""
+    with pytest.raises(RuntimeError) as refused:
+        broker_factory("--queue-lock-max-live-ms", ttl)
+    assert f"queue_lock_max_live_ms={ttl} must be positive" in str(refused.value)
+
+
+async def test_a_lock_life_below_what_clients_trust_a_lock_is_warned_at_start(broker_factory):
+    """A lock lapsing before the 30 s a stock orderly consumer trusts it is granted to another consumer while its
+    holder still consumes the queue: legal (tests shorten it), but said at start, naming the setting."""
+    broker = broker_factory("--queue-lock-max-live-ms", str(LOCK_TTL_MS))
+    assert f"queue_lock_max_live_ms={LOCK_TTL_MS} is below the 30000 ms" in broker.log()
+    quiet = broker_factory(store="quiet")
+    assert "queue_lock_max_live_ms" not in quiet.log()
+
+
 async def test_broadcasting_consumers_each_get_every_message_and_keep_their_own_offsets(broker, tmp_path):
     topic, group = "News", "CG_broadcast"
     async with Producer(broker.namesrv, "PG_broadcast") as producer:
@@ -195,6 +214,29 @@ async def test_broadcasting_consumers_each_get_every_message_and_keep_their_own_
 async def test_an_unknown_message_model_is_refused_at_once():
     with pytest.raises(ValueError, match="BROADCASTING"):
         PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, message_model="broadcast")
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(lock_interval_s=0), "lock_interval_s=0"), (dict(lock_interval_s=-1), "lock_interval_s=-1"),
+    (dict(lock_retry_s=0), "lock_retry_s=0"), (dict(lock_expire_s=0), "lock_expire_s=0"),
+    (dict(lock_interval_s=30, lock_expire_s=30), "must be below lock_expire_s"),
+])
+async def test_lock_periods_that_spin_or_lapse_between_renewals_are_refused_at_once(options, named):
+    """lock_interval_s=0 was taken: the lock loop asked with no pause, 3,856 LOCK_BATCH_MQ in 2 s from one consumer
+    of one queue; an interval at or past lock_expire_s let each lock lapse here before its renewal."""
+    with pytest.raises(ValueError, match=named):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=True, **options)
+
+
+@pytest.mark.parametrize("suspend_s", [0, -1, float("nan")])
+@pytest.mark.parametrize("model", ["CLUSTERING", "BROADCASTING"])
+async def test_a_suspend_of_zero_or_less_is_refused_at_once_not_a_failing_message_retried_in_a_spin(suspend_s, model):
+    """suspend_s=0 was taken: an orderly (or broadcasting) message its listener failed was retried in place with no
+    pause, 135,036 listener calls in 1 s on one queue with max_reconsume_times=-1, for good (RocketMQ's orderly
+    consumer waits at least 10 ms, ConsumeMessageOrderlyService.submitConsumeRequestLater)."""
+    with pytest.raises(ValueError, match=f"suspend_s={suspend_s!r}: more than 0 seconds"):
+        PushConsumer("127.0.0.1:1", "CG_x", lambda m: ConsumeStatus.CONSUME_SUCCESS, orderly=model == "CLUSTERING",
+                     message_model=model, suspend_s=suspend_s)
 
 
 @pytest.mark.parametrize("where", ["CONSUME_FROM_TIMESTAMP", "CONSUME_FROM_FIRST_OFFSET", "LAST"])

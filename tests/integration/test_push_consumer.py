@@ -117,15 +117,19 @@ async def _orderly_dead_letters(broker, group: str):
 
 @pytest.mark.parametrize("group, counted", [("CG_orderly_dead", 3), ("G" * 121, 1)], ids=["group", "long-group"])
 @bounded(60)
-async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, counted):
+async def test_an_orderly_dead_letter_carries_the_retries_it_had(broker, group, counted, caplog):
     """An orderly consumer retries a failed message in place, counting each retry on its own, and past
     max_reconsume_times dead-letters it as RocketMQ's (ConsumeMessageOrderlyService.sendMessageBack): a send to
     %RETRY%<group> carrying that count, which the broker stores in %DLQ%<group>. It handed it back with
     CONSUMER_SEND_MSG_BACK and delayLevel -1 instead, which counts from the stored record: every orderly dead
     letter said RECONSUME_TIMES 1 after its 3 retries here (a stock consumer's says 3). A group whose %RETRY%
     topic would be past the name limit (its %DLQ% one is not) is still dead-lettered, by that hand-back."""
+    caplog.set_level("WARNING", logger="txmq.consumer")
     sent, attempts, dead = await _orderly_dead_letters(broker, group)
     assert attempts == [0, 1, 2, 3]                   # the first delivery and three retries in place
+    # said, as the queue goes on past it (nothing on the consumer's side told of a message left out)
+    [said] = [r.getMessage() for r in caplog.records if "dead-lettered to" in r.getMessage()]
+    assert sent.msg_id in said and "3 retries" in said and f"%DLQ%{group}" in said
     [letter] = dead
     assert letter.body == b"poison" and letter.reconsume_times == counted
     assert letter.properties["RETRY_TOPIC"] == "OrderlyDead"
@@ -297,3 +301,47 @@ async def test_consume_from_timestamp_starts_a_new_groups_queue_at_the_message_s
     assert got == [(m.queue_offset, m.body) for m in late]      # from the first late one, none of the early
     with pytest.raises(ValueError, match="consume_from=\"timestamp\" only"):
         PushConsumer(broker.namesrv, "CG_x", listener, consume_from="last", consume_timestamp_ms=1)
+
+
+@bounded(60)
+async def test_an_orderly_queue_held_at_a_failing_message_is_said_and_shown_not_silent(broker, caplog):
+    """An orderly listener that keeps answering RECONSUME_LATER (SUSPEND_CURRENT_QUEUE_A_MOMENT) holds its queue at
+    that message for good (max_reconsume_times is Integer.MAX_VALUE by default, as RocketMQ's). Nothing was said:
+    the queue stalled with no log line and nothing on the consumer to read. Now a WARNING names the queue, the
+    message and its offset at the first retry and again at the 10th, 100th, ... (bounded), and stalled_queues
+    gives the retries of each queue held; a success clears it."""
+    group, topic = "CG_orderly_stall", "OrderlyStall"
+    async with Producer(broker.namesrv, "PG_orderly_stall") as producer:
+        sent = await producer.send(topic, b"stuck")
+    calls = 0
+    reached = asyncio.Event()
+    fixed = asyncio.Event()
+    healed = asyncio.Event()
+
+    def listener(msg):
+        nonlocal calls
+        if fixed.is_set():
+            healed.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+        calls += 1
+        if calls == 25:
+            reached.set()
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer(broker.namesrv, group, listener, consume_from="first", orderly=True, suspend_s=0.01,
+                            max_reconsume_times=-1)
+    consumer.subscribe(topic)
+    caplog.set_level("WARNING", logger="txmq.consumer")
+    await consumer.start()
+    try:
+        await reached.wait()
+        said = [r.getMessage() for r in caplog.records if "held at" in r.getMessage()]
+        assert len(said) == 2, said                   # the 1st and the 10th retry, not one line per retry
+        assert sent.msg_id in said[0] and f"queue {sent.queue.queue_id} " in said[0] and "offset 0" in said[0]
+        [(mq, retries)] = [(q, n) for q, n in consumer.stalled_queues.items() if q.topic == topic]
+        assert mq.queue_id == sent.queue.queue_id and 24 <= retries <= 25
+        fixed.set()
+        await healed.wait()     # set in the listener's call, which returns before anything else runs
+        assert not any(q.topic == topic for q in consumer.stalled_queues), consumer.stalled_queues
+    finally:
+        await consumer.shutdown()

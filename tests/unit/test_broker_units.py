@@ -57,6 +57,9 @@ def test_config_from_flags_and_environment():
         BrokerConfig(disk_clean_ratio=0.86)                 # above the force ratio
     with pytest.raises(ConfigError):
         BrokerConfig(gil_switch_interval_ms=0)
+    for ttl in (0, -1):         # a lock lapsed as granted: every orderly consumer of a group got every queue
+        with pytest.raises(ConfigError, match="queue_lock_max_live_ms"):
+            BrokerConfig(queue_lock_max_live_ms=ttl)
     assert config_from(["--gil-switch-interval-ms", "0.5"], {}).gil_switch_interval_ms == 0.5
     assert BrokerConfig(host="0.0.0.0").public_host == "127.0.0.1"
 

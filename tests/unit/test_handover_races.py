@@ -901,3 +901,51 @@ async def test_an_offset_reset_of_a_queue_being_handed_over_is_not_undone_by_its
         if handing is not None:
             await asyncio.gather(handing, return_exceptions=True)
         await consumer.shutdown()
+
+
+@bounded(20)
+async def test_a_loop_given_up_on_ending_leaves_the_stall_its_queues_new_loop_shows():
+    """stalled_queues is kept by the pull loop retrying a message in place. A loop given up on (its listener call
+    ignored its cancel: _abandon) that ended at last, the queue taken back by a new loop meanwhile, removed the
+    new loop's entry: a queue still held at a failing message was missing from stalled_queues until its next
+    retry (suspend_s later; for good while that retry's call ran). And one given up on that ends with its queue
+    not taken back leaves no entry behind for a queue this consumer no longer consumes."""
+    mq = MessageQueue("T", "b", 0)
+
+    class Call:
+        def __init__(self, fails: int):
+            self.fails, self.calls, self.blocked, self.release = fails, 0, asyncio.Event(), asyncio.Event()
+
+    calls: dict[int, Call] = {}
+
+    async def listener(msg):
+        call = calls[id(msg)]
+        call.calls += 1
+        if call.calls > call.fails:     # a call that ignores its cancel, until released
+            call.blocked.set()
+            await call.release.wait()
+        return ConsumeStatus.RECONSUME_LATER
+
+    consumer = PushConsumer("127.0.0.1:1", "G", listener, orderly=True, suspend_s=0.01, max_reconsume_times=-1)
+    consumer._locked = lambda q: True
+    old_msg, new_msg = (MessageExt("T", b"stuck", queue_offset=0) for _ in range(2))
+    calls[id(old_msg)], calls[id(new_msg)] = Call(fails=1), Call(fails=2)
+    try:
+        old = asyncio.create_task(consumer._consume_in_place(mq, old_msg))
+        await calls[id(old_msg)].blocked.wait()
+        assert consumer.stalled_queues == {mq: 1}
+        consumer._abandon(mq, old)              # its call ignored the hand-over's cancel
+        new = asyncio.create_task(consumer._consume_in_place(mq, new_msg))     # the queue taken back
+        await calls[id(new_msg)].blocked.wait()
+        assert consumer.stalled_queues == {mq: 2}
+        calls[id(old_msg)].release.set()        # the old call ends at last: its loop stops, changing nothing
+        await asyncio.gather(old, return_exceptions=True)
+        assert consumer.stalled_queues == {mq: 2}, "the new loop's stall is gone from stalled_queues"
+        consumer._abandon(mq, new)              # given up on too, and the queue not taken back this time
+        calls[id(new_msg)].release.set()
+        await asyncio.gather(new, return_exceptions=True)
+        assert consumer.stalled_queues == {}
+    finally:
+        for call in calls.values():
+            call.release.set()
+        await consumer.client.shutdown()
