@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import struct
 import weakref
 from collections import Counter
 from functools import partial
@@ -22,7 +23,7 @@ from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 from ..answer import Answer
 from ..retention import PlanRefused, applied_counts, applied_line, applied_totals
 from ..transaction import DecisionError
-from ..transaction.core import UNKNOWN
+from ..transaction.core import NO_HALF, UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
 from ..transaction.service import dumps
 from .admin import stored_record
@@ -185,8 +186,38 @@ async def resolve_transaction(ctx, conn, cmd):
     try:
         remark = await ctx.tx.decide(off, decision)
     except DecisionError as exc:
-        return cmd.response(exc.code, exc.remark)
+        remark = exc.remark
+        if remark == NO_HALF:
+            remark = f"{remark}: {_not_a_half(ctx, off)}; nothing changed (`admin list` names the undecided halves)"
+        # The line above reads as done: the audit log says the refusal too, else a typo read as a forced decision.
+        log.warning("admin %s:%s: %s of the transaction at %d refused: %s", conn.peer[0], conn.peer[1], decision, off,
+                    remark)
+        return cmd.response(exc.code, remark)
     return cmd.response(ResponseCode.SUCCESS, remark)
+
+
+def _not_a_half(ctx, off: int) -> str:
+    """What lies at commit-log ``off``, neither undecided nor decided: said to an admin whose commit or rollback named
+    it, RocketMQ's "Find prepared transaction message failed" alone whether it was a typo, a plain message's offset,
+    a removed segment or past the log's end."""
+    store = ctx.store
+    if off < 0:
+        return f"{off} is not a commit-log offset (0 or more)"
+    if off < store.min_physical_offset:
+        return (f"{off} is below the commit log's first offset {store.min_physical_offset} (its segment was removed; "
+                "retention dead-letters an undecided half before it removes its segment)")
+    if off >= store.max_physical_offset:
+        return f"{off} is past the commit log's end {store.max_physical_offset}"
+    view = store.get_record(off)
+    if view is None:
+        return f"no message starts at offset {off}"
+    try:
+        topic = decode_record(view)[0].topic
+    except (ValueError, IndexError, struct.error):
+        return f"the record at {off} does not decode"
+    if topic != HALF_TOPIC:
+        return f"{off} is a message of topic {topic}, not a transaction's half"
+    return f"the half at {off} is not held undecided"
 
 
 async def resume_transaction(ctx, conn, cmd):

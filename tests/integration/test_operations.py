@@ -87,6 +87,34 @@ async def test_admin_cli_lists_and_resolves(broker_factory):
     assert "forces ROLLBACK" in b.log()
 
 
+@bounded(120)
+async def test_admin_commit_of_an_offset_not_a_half_says_what_is_there_and_changes_nothing(broker_factory):
+    """`admin commit OFFSET` of a plain message's offset, of one inside a record, past the log's end or negative was
+    refused "Find prepared transaction message failed" alone, whatever was wrong, and the broker's log said only
+    "admin forces COMMIT of the transaction at OFFSET", read as done. The refusal says what lies at the offset, the
+    log says it was refused, and the undecided half is left as it was."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with Producer(b.namesrv, "PG_plain_off") as producer:
+        plain = await producer.send("PlainOff", b"plain")
+    async with TransactionProducer(b.namesrv, "PG_not_half", Unknown()) as producer:
+        await producer.send_in_transaction("TxNotHalf", b"in doubt")
+        before = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"]
+        half = before[0]["commit_log_offset"]
+        plain_off = int(plain.offset_msg_id[-16:], 16)
+        cases = {plain_off: "is a message of topic PlainOff, not a transaction's half",
+                 half + 1: f"no message starts at offset {half + 1}",
+                 10**12: f"{10**12} is past the commit log's end",
+                 -5: "-5 is not a commit-log offset"}
+        for off, said in cases.items():
+            for action in ("commit", "rollback"):
+                done = await asyncio.to_thread(_admin, b, action, str(off))
+                assert done.returncode == 1 and said in done.stderr and "nothing changed" in done.stderr, done.stderr
+        after = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"]
+        assert [(r["commit_log_offset"], r["uniq_key"]) for r in after] == [(half, before[0]["uniq_key"])]
+    assert f"COMMIT of the transaction at {plain_off} refused" in b.log()
+    assert f"ROLLBACK of the transaction at {10**12} refused" in b.log()
+
+
 async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory):
     b = broker_factory("--flush", "async", "--flush-interval-ms", "60000")
     async with Producer(b.namesrv, "PG_term") as producer:
