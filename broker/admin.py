@@ -172,7 +172,7 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
             except (BrokerError, OSError) as exc:
                 return merged, _stopped(n, parts, f"broker {addr}: {exc}")
             if resp.code != ResponseCode.SUCCESS:
-                return merged, _stopped(n, parts, f"refused ({resp.code}): {resp.remark}")
+                return merged, _stopped(n, parts, admin_ops.refused(resp))
             reply = json.loads(resp.body_bytes())
             for key in ("expired", "skipped"):
                 merged[key].extend(reply.pop(key))
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"broker {args.broker}: {exc}", file=sys.stderr)
         return 1
     if resp.code != ResponseCode.SUCCESS:
-        print(f"refused ({resp.code}): {resp.remark}", file=sys.stderr)
+        print(admin_ops.refused(resp), file=sys.stderr)
         return 1
     if args.action == "list":
         data = json.loads(resp.body_bytes())

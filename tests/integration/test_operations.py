@@ -56,7 +56,11 @@ async def test_old_metric_snapshot_files_are_removed_not_kept_for_good(broker_fa
 
 
 def _admin(b, *args):
-    return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", b.broker, *args],
+    return _admin_at(b.broker, *args)
+
+
+def _admin_at(addr: str, *args):
+    return subprocess.run([sys.executable, "-m", "broker", "admin", "--broker", addr, *args],
                           cwd=REPO, capture_output=True, text=True, timeout=30)
 
 
@@ -113,6 +117,19 @@ async def test_admin_commit_of_an_offset_not_a_half_says_what_is_there_and_chang
         assert [(r["commit_log_offset"], r["uniq_key"]) for r in after] == [(half, before[0]["uniq_key"])]
     assert f"COMMIT of the transaction at {plain_off} refused" in b.log()
     assert f"ROLLBACK of the transaction at {10**12} refused" in b.log()
+
+
+@bounded(90)
+async def test_admin_pointed_at_a_name_server_says_it_is_not_a_txmq_broker(broker_factory, tmp_path):
+    """`admin --broker` given the name server's port (or a stock RocketMQ broker's) said "refused (3): request type
+    901 not supported" alone. It says the server is not a txmq broker and which address to give, whatever the
+    command, and exits 1."""
+    b = broker_factory()
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"halves": [], "segments": []}')
+    for argv in (["list"], ["commit", "5"], ["resume", "5"], ["broker-status"], ["apply-expiry", str(plan)]):
+        done = await asyncio.to_thread(_admin_at, b.namesrv, *argv)
+        assert done.returncode == 1 and "not a txmq broker" in done.stderr, (argv, done.stderr)
 
 
 async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory):
