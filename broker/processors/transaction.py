@@ -166,7 +166,9 @@ async def _list_page(ctx, cmd, group, limit, after):
         txs.append(tx)
     # (counted as the page is answered: halves come and go while a long walk yields)
     total = _listed_total(ctx, group)
-    next_after = (txs[-1].queue_offset if txs else after) if more else None     # (the last found, decided or not)
+    # (the last found, decided or not; none after a page of limit=0, a count: its cursor, ``after`` again, never
+    # moved, and a script following next_after asked the same empty page for ever)
+    next_after = (txs[-1].queue_offset if txs else after) if more and limit else None
     # found, then decided in a later turn of the walk: not listed as undecided (its commit would be refused)
     txs = [tx for tx in txs if ctx.tx.pending.get(tx.half_offset) is tx]
     body = {"pending": ctx.tx.describe(txs=txs), "total": total, "after": after, "limit": limit,

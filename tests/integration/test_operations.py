@@ -168,6 +168,23 @@ async def test_admin_list_says_how_many_it_did_not_list(broker_factory):
 
 
 @bounded(90)
+async def test_admin_list_of_limit_0_counts_and_names_no_next_page(broker_factory):
+    """`admin list --limit 0` (a count) answered no rows and "--after -1 for the next page": the cursor it was given,
+    so a script following next_after asked the same empty page for ever. It counts, and names no next page."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_count", Unknown()) as producer:
+        for i in range(2):
+            await producer.send_in_transaction("TxCount", f"{i}".encode())
+        for after in ("-1", "0"):
+            listed = await asyncio.to_thread(_admin, b, "list", "--limit", "0", "--after", after, "--json")
+            assert listed.returncode == 0, listed.stderr
+            data = json.loads(listed.stdout)
+            assert (data["pending"], data["total"], data["next_after"]) == ([], 2, None), data
+        table = await asyncio.to_thread(_admin, b, "list", "--limit", "0")
+        assert "2 undecided" in table.stdout and "--after" not in table.stdout, table.stdout
+
+
+@bounded(90)
 async def test_admin_list_pages_through_every_undecided(broker_factory):
     """The list answered the oldest 2,000 at most and no option reached the rest: an operator with 50,000 in doubt
     saw the oldest 2,000 alone. Each page's last line names the next one's --after; followed, the pages list every
