@@ -14,7 +14,7 @@ column of ``list``). ``list`` answers a page, oldest stored first; when more
 follow, its last line names the ``--after Q`` of the next page (Q: the half-queue
 offset of the page's last row). Every action is logged by the broker with the caller's
 address. The broker address comes from --broker or BROKER_ADMIN_ADDR
-(default 127.0.0.1:10911). A broker with an ACL file needs an admin account's
+(default 127.0.0.1:10911; an IPv6 host as [::1]:10911). A broker with an ACL file needs an admin account's
 credentials: --access-key/--secret-key or BROKER_ADMIN_ACCESS_KEY/BROKER_ADMIN_SECRET_KEY.
 """
 from __future__ import annotations
@@ -41,9 +41,17 @@ from .processors.transaction import LISTED_MAX
 from .retention import PlanRefused, check_plan_lists
 
 
-async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
+async def _connect(addr: str, credentials):
+    """A connection to the broker at ``addr``: host:port, an IPv6 host bare (::1:10911) or in brackets ([::1]:10911,
+    which was looked up as a host name "[::1]" and never reached)."""
     host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+
+
+async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
+    conn = await _connect(addr, credentials)
     try:
         return await conn.request(cmd, timeout)
     finally:
@@ -52,8 +60,7 @@ async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=Non
 
 async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
     """One connection for the several requests an operations command may make."""
-    host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    conn = await _connect(addr, credentials)
     try:
         return await admin_ops.run(args, lambda cmd: conn.request(cmd, timeout))
     finally:
@@ -154,8 +161,7 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     """Apply ``plan`` part by part on one connection; (the replies merged, why it stopped or None)."""
     parts = plan_parts(plan, halves_a_request)
     merged: dict = {"expired": [], "skipped": []}
-    host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    conn = await _connect(addr, credentials)
     said = time.monotonic()
     try:
         for n, part in enumerate(_read_on(parts), 1):

@@ -132,6 +132,16 @@ async def test_admin_pointed_at_a_name_server_says_it_is_not_a_txmq_broker(broke
         assert done.returncode == 1 and "not a txmq broker" in done.stderr, (argv, done.stderr)
 
 
+@bounded(90)
+async def test_admin_reaches_a_broker_by_a_bracketed_ipv6_address(broker_factory):
+    """`admin --broker [::1]:PORT`, the usual way to write an IPv6 address with a port, looked "[::1]" up as a host
+    name: "Name or service not known", the broker never reached. Brackets are taken off."""
+    b = broker_factory("--host", "::1")
+    for addr in (f"[::1]:{b.broker_port}", f"::1:{b.broker_port}"):
+        done = await asyncio.to_thread(_admin_at, addr, "list")
+        assert done.returncode == 0 and "0 undecided" in done.stdout, (addr, done.stderr)
+
+
 async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory):
     b = broker_factory("--flush", "async", "--flush-interval-ms", "60000")
     async with Producer(b.namesrv, "PG_term") as producer:
