@@ -24,6 +24,7 @@ import asyncio
 import functools
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -283,12 +284,25 @@ def _read_plan(path: str, halves_a_request: int = PLAN_SLICE):
     return plan
 
 
+def _seconds(text: str) -> float:
+    """--timeout: a number of seconds over 0. At 0 or below a request was sent and its answer not waited for: `admin
+    commit` committed and said "got no response", exit 1; nan and inf waited for ever."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds over 0 (nothing was sent)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The admin command line: whole flag names only (allow_abbrev=False, its actions' too), as the broker's."""
     parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker", default=os.environ.get("BROKER_ADMIN_ADDR", "127.0.0.1:10911"))
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for each answer (default "
+                        "%(default)s)")
     parser.add_argument("--access-key", default=os.environ.get("BROKER_ADMIN_ACCESS_KEY", ""))
     parser.add_argument("--secret-key", default=os.environ.get("BROKER_ADMIN_SECRET_KEY", ""))
     sub = parser.add_subparsers(dest="action", required=True,

@@ -142,6 +142,23 @@ async def test_admin_reaches_a_broker_by_a_bracketed_ipv6_address(broker_factory
         assert done.returncode == 0 and "0 undecided" in done.stdout, (addr, done.stderr)
 
 
+@bounded(90)
+async def test_admin_refuses_a_timeout_that_is_not_a_positive_time_and_sends_nothing(broker_factory):
+    """`admin --timeout 0 commit OFFSET` sent the commit and did not wait for its answer: the transaction committed
+    while the command said "got no response" and exited 1 (and nan or inf waited for ever). Such a timeout is bad
+    input: exit 2, nothing sent, the half still undecided."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_timeout", Unknown()) as producer:
+        await producer.send_in_transaction("TxTimeout", b"in doubt")
+        rows = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"]
+        half = str(rows[0]["commit_log_offset"])
+        for timeout in ("0", "-1", "nan", "inf"):
+            done = await asyncio.to_thread(_admin, b, "--timeout", timeout, "commit", half)
+            assert done.returncode == 2 and "nothing was sent" in done.stderr, (timeout, done.returncode, done.stderr)
+        still = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"]
+        assert [r["commit_log_offset"] for r in still] == [rows[0]["commit_log_offset"]]
+
+
 async def test_sigterm_exits_zero_and_keeps_what_was_acknowledged(broker_factory):
     b = broker_factory("--flush", "async", "--flush-interval-ms", "60000")
     async with Producer(b.namesrv, "PG_term") as producer:
