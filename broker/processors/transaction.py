@@ -191,11 +191,15 @@ async def resolve_transaction(ctx, conn, cmd):
         remark = exc.remark
         if remark == NO_HALF:
             remark = f"{remark}: {_not_a_half(ctx, off)}; nothing changed (`admin list` names the undecided halves)"
-        # The line above reads as done: the audit log says the refusal too, else a typo read as a forced decision.
-        log.warning("admin %s:%s: %s of the transaction at %d refused: %s", conn.peer[0], conn.peer[1], decision, off,
-                    remark)
-        return cmd.response(exc.code, remark)
+        return _refused(conn, cmd, decision, off, exc.code, remark)
     return cmd.response(ResponseCode.SUCCESS, remark)
+
+
+def _refused(conn, cmd, what: str, off: int, code: int, remark: str):
+    """The answer to an admin's ``what`` (COMMIT, ROLLBACK, resume) of the transaction at ``off``, refused: said in the
+    log too, after its "forces"/"resumes" line, which read as done (a typo's read as a forced decision)."""
+    log.warning("admin %s:%s: %s of the transaction at %d refused: %s", conn.peer[0], conn.peer[1], what, off, remark)
+    return cmd.response(code, remark)
 
 
 def _not_a_half(ctx, off: int) -> str:
@@ -253,7 +257,7 @@ async def _resume(ctx, conn, cmd, off: int, owner: str | None = None):
     try:
         remark = await ctx.tx.resume(off, owner)
     except DecisionError as exc:
-        return cmd.response(exc.code, exc.remark)
+        return _refused(conn, cmd, "resume", off, exc.code, exc.remark)
     return cmd.response(ResponseCode.SUCCESS, remark)
 
 

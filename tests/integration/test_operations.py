@@ -117,6 +117,8 @@ async def test_admin_commit_of_an_offset_not_a_half_says_what_is_there_and_chang
         assert [(r["commit_log_offset"], r["uniq_key"]) for r in after] == [(half, before[0]["uniq_key"])]
     assert f"COMMIT of the transaction at {plain_off} refused" in b.log()
     assert f"ROLLBACK of the transaction at {10**12} refused" in b.log()
+    resumed = await asyncio.to_thread(_admin, b, "resume", str(plain_off))
+    assert resumed.returncode == 1 and f"resume of the transaction at {plain_off} refused" in b.log(), resumed.stderr
 
 
 @bounded(90)
