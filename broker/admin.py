@@ -32,7 +32,7 @@ import time
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.errors import BrokerError
+from protocol.errors import BrokerError, RequestTimeoutError
 from protocol.logline import escape
 from protocol.signature import Credentials
 
@@ -177,7 +177,11 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
             try:
                 resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
             except (BrokerError, OSError) as exc:
-                return merged, _stopped(n, parts, f"broker {addr}: {exc}")
+                why = f"broker {addr}: {exc}"
+                if n == 1 and isinstance(exc, RequestTimeoutError):     # (a later part's _stopped says it)
+                    why += ("\nthe plan was sent and may have been applied: applying it again is safe, what was done "
+                            "is skipped (a longer --timeout waits for its answer)")
+                return merged, _stopped(n, parts, why)
             if resp.code != ResponseCode.SUCCESS:
                 return merged, _stopped(n, parts, admin_ops.refused(resp))
             reply = json.loads(resp.body_bytes())
@@ -389,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:
         print(f"broker {args.broker}: {exc}", file=sys.stderr)
+        if isinstance(exc, RequestTimeoutError) and args.action != "list":
+            # (sent, its answer not waited for: a commit read as failed while the broker had committed it)
+            print(f"the {args.action} was sent and may have been done: `admin list` names the half at {args.offset} "
+                  "while it is undecided (a longer --timeout waits for the answer)", file=sys.stderr)
         return 1
     if resp.code != ResponseCode.SUCCESS:
         print(admin_ops.refused(resp), file=sys.stderr)

@@ -16,7 +16,7 @@ from functools import partial
 
 from protocol.codes import ResponseCode
 from protocol.connection import DEFERRED
-from protocol.errors import HeaderError
+from protocol.errors import HeaderError, RecordError
 from protocol.message import decode_offset_msg_id, decode_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 
@@ -190,7 +190,7 @@ async def resolve_transaction(ctx, conn, cmd):
     except DecisionError as exc:
         remark = exc.remark
         if remark == NO_HALF:
-            remark = f"{remark}: {_not_a_half(ctx, off)}; nothing changed (`admin list` names the undecided halves)"
+            remark = f"{remark}: {_not_a_half(ctx, off)}"
         return _refused(conn, cmd, decision, off, exc.code, remark)
     return cmd.response(ResponseCode.SUCCESS, remark)
 
@@ -206,7 +206,17 @@ def _not_a_half(ctx, off: int) -> str:
     """What lies at commit-log ``off``, neither undecided nor decided: said to an admin whose commit or rollback named
     it, RocketMQ's "Find prepared transaction message failed" alone whether it was a typo, a plain message's offset,
     a removed segment or past the log's end."""
-    store = ctx.store
+    if off in ctx.tx.pending:
+        # (a COMMIT copies the half: its record gone or its head damaged, this was "no message starts at N ...
+        # `admin list` names the undecided halves", the list naming N)
+        return (f"the half at {off} is undecided but its record does not read (removed or damaged); nothing changed: "
+                f"it cannot be committed, `admin rollback {off}` decides it without reading it")
+    return f"{_what_lies_at(ctx.store, off)}; nothing changed (`admin list` names the undecided halves)"
+
+
+def _what_lies_at(store, off: int) -> str:
+    """What the commit log holds at ``off``, read through its checked record (never past a segment's end or the
+    log's), a damaged record's decode error said, not raised (it was answered as the admin request's failure)."""
     if off < 0:
         return f"{off} is not a commit-log offset (0 or more)"
     if off < store.min_physical_offset:
@@ -219,8 +229,8 @@ def _not_a_half(ctx, off: int) -> str:
         return f"no message starts at offset {off}"
     try:
         topic = decode_record(view)[0].topic
-    except (ValueError, IndexError, struct.error):
-        return f"the record at {off} does not decode"
+    except (RecordError, ValueError, IndexError, struct.error) as exc:
+        return f"the record at {off} does not decode ({exc})"
     if topic != HALF_TOPIC:
         return f"{off} is a message of topic {topic}, not a transaction's half"
     return f"the half at {off} is not held undecided"

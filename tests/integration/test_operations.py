@@ -121,6 +121,46 @@ async def test_admin_commit_of_an_offset_not_a_half_says_what_is_there_and_chang
     assert resumed.returncode == 1 and f"resume of the transaction at {plain_off} refused" in b.log(), resumed.stderr
 
 
+def _poke(store_dir, phys: int, at: int, value: bytes) -> None:
+    """Write ``value`` over byte ``at`` on of the record at ``phys`` (first segment), the broker running: its
+    mapped pages see it at once."""
+    with open(store_dir / "commitlog" / f"{0:020d}", "r+b") as f:
+        f.seek(phys + at)
+        f.write(value)
+
+
+@bounded(120)
+async def test_admin_commit_of_a_damaged_record_or_an_unreadable_half_is_refused_as_such(broker_factory):
+    """`admin commit` of a record whose layout is damaged past its header (body length 2^31-1) raised the record's
+    decode error out of the refusal: answered "refused (13): record at 0: body length ..." with no "nothing
+    changed" and no "refused" line in the log. And an undecided half whose record no longer reads (its magic
+    damaged) was refused "no message starts at offset N; nothing changed (`admin list` names the undecided
+    halves)" while `admin list` named N: the operator was sent back to the offset he had given. Its rollback,
+    which reads no record, decides it."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with Producer(b.namesrv, "PG_damaged") as producer:
+        plain = await producer.send("Damaged", b"plain")
+    async with TransactionProducer(b.namesrv, "PG_unreadable", Unknown()) as producer:
+        await producer.send_in_transaction("TxUnreadable", b"in doubt")
+        half = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"][0]
+        half = half["commit_log_offset"]
+        plain_off = int(plain.offset_msg_id[-16:], 16)
+        _poke(b.store_dir, plain_off, 84, (2**31 - 1).to_bytes(4, "big"))       # IPv4 hosts: BODYLEN at 84
+        _poke(b.store_dir, half, 4, bytes(4))       # MAGICCODE
+        done = await asyncio.to_thread(_admin, b, "commit", str(plain_off))
+        assert done.returncode == 1 and f"the record at {plain_off} does not decode" in done.stderr, done.stderr
+        assert "nothing changed" in done.stderr, done.stderr
+        assert f"COMMIT of the transaction at {plain_off} refused" in b.log()
+        done = await asyncio.to_thread(_admin, b, "commit", str(half))
+        assert done.returncode == 1 and f"the half at {half} is undecided but its record does not read" in \
+            done.stderr and "admin list" not in done.stderr and f"rollback {half}" in done.stderr, done.stderr
+        listed = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"]
+        assert [r["commit_log_offset"] for r in listed] == [half]
+        rolled = await asyncio.to_thread(_admin, b, "rollback", str(half))
+        assert rolled.returncode == 0, rolled.stderr
+        assert json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"] == []
+
+
 @bounded(90)
 async def test_admin_pointed_at_a_name_server_says_it_is_not_a_txmq_broker(broker_factory, tmp_path):
     """`admin --broker` given the name server's port (or a stock RocketMQ broker's) said "refused (3): request type
@@ -194,6 +234,22 @@ async def test_admin_list_says_how_many_it_did_not_list(broker_factory):
         assert (len(huge["pending"]), huge["more"], huge["limit"]) == (3, 0, 2_000)
         refused = await asyncio.to_thread(_admin, b, "list", "--limit", "-1")
         assert refused.returncode == 1 and "limit=-1" in refused.stderr, refused.stderr
+
+
+@bounded(90)
+async def test_admin_decision_whose_answer_is_not_waited_for_says_it_may_be_done(broker_factory):
+    """`--timeout 0` was refused, but `--timeout 1e-9` (or any answer slower than --timeout: a slow fsync) did what
+    0 did: the commit sent, "got no response in 1e-09 s", exit 1, read as not done though the broker may have
+    committed it. A commit, rollback or resume (or a plan) that timed out says it may have been done and how to
+    tell."""
+    b = broker_factory("--transaction-check-interval-ms", "60000", "--transaction-timeout-ms", "60000")
+    async with TransactionProducer(b.namesrv, "PG_unwaited", Unknown()) as producer:
+        await producer.send_in_transaction("TxUnwaited", b"in doubt")
+        half = json.loads((await asyncio.to_thread(_admin, b, "list", "--json")).stdout)["pending"][0]
+        for action in ("commit", "rollback", "resume"):
+            done = await asyncio.to_thread(_admin, b, "--timeout", "1e-9", action, str(half["commit_log_offset"]))
+            assert done.returncode == 1 and "got no response" in done.stderr, done.stderr
+            assert "may have been done" in done.stderr and "admin list" in done.stderr, done.stderr
 
 
 @bounded(90)
