@@ -237,7 +237,7 @@ async def test_admin_list_says_how_many_it_did_not_list(broker_factory):
 
 
 @bounded(90)
-async def test_admin_decision_whose_answer_is_not_waited_for_says_it_may_be_done(broker_factory):
+async def test_admin_decision_whose_answer_is_not_waited_for_says_it_may_be_done(broker_factory, tmp_path):
     """`--timeout 0` was refused, but `--timeout 1e-9` (or any answer slower than --timeout: a slow fsync) did what
     0 did: the commit sent, "got no response in 1e-09 s", exit 1, read as not done though the broker may have
     committed it. A commit, rollback or resume (or a plan) that timed out says it may have been done and how to
@@ -250,6 +250,10 @@ async def test_admin_decision_whose_answer_is_not_waited_for_says_it_may_be_done
             done = await asyncio.to_thread(_admin, b, "--timeout", "1e-9", action, str(half["commit_log_offset"]))
             assert done.returncode == 1 and "got no response" in done.stderr, done.stderr
             assert "may have been done" in done.stderr and "admin list" in done.stderr, done.stderr
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"halves": [], "segments": []}')
+    done = await asyncio.to_thread(_admin, b, "--timeout", "1e-9", "apply-expiry", str(plan))
+    assert done.returncode == 1 and "may have been applied" in done.stderr, done.stderr
 
 
 @bounded(90)
