@@ -14,7 +14,7 @@ column of ``list``). ``list`` answers a page, oldest stored first; when more
 follow, its last line names the ``--after Q`` of the next page (Q: the half-queue
 offset of the page's last row). Every action is logged by the broker with the caller's
 address. The broker address comes from --broker or BROKER_ADMIN_ADDR
-(default 127.0.0.1:10911). A broker with an ACL file needs an admin account's
+(default 127.0.0.1:10911; an IPv6 host as [::1]:10911). A broker with an ACL file needs an admin account's
 credentials: --access-key/--secret-key or BROKER_ADMIN_ACCESS_KEY/BROKER_ADMIN_SECRET_KEY.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import asyncio
 import functools
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ import time
 from protocol.codes import RequestCode, ResponseCode
 from protocol.command import RemotingCommand
 from protocol.connection import open_connection
-from protocol.errors import BrokerError
+from protocol.errors import BrokerError, RequestTimeoutError
 from protocol.logline import escape
 from protocol.signature import Credentials
 
@@ -41,9 +42,17 @@ from .processors.transaction import LISTED_MAX
 from .retention import PlanRefused, check_plan_lists
 
 
-async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
+async def _connect(addr: str, credentials):
+    """A connection to the broker at ``addr``: host:port, an IPv6 host bare (::1:10911) or in brackets ([::1]:10911,
+    which was looked up as a host name "[::1]" and never reached)."""
     host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+
+
+async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=None) -> RemotingCommand:
+    conn = await _connect(addr, credentials)
     try:
         return await conn.request(cmd, timeout)
     finally:
@@ -52,8 +61,7 @@ async def _call(addr: str, cmd: RemotingCommand, timeout: float, credentials=Non
 
 async def _run_ops(addr: str, args, timeout: float, credentials=None) -> int:
     """One connection for the several requests an operations command may make."""
-    host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    conn = await _connect(addr, credentials)
     try:
         return await admin_ops.run(args, lambda cmd: conn.request(cmd, timeout))
     finally:
@@ -154,8 +162,7 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
     """Apply ``plan`` part by part on one connection; (the replies merged, why it stopped or None)."""
     parts = plan_parts(plan, halves_a_request)
     merged: dict = {"expired": [], "skipped": []}
-    host, _, port = addr.rpartition(":")
-    conn = await open_connection(host, int(port), sign=credentials.sign if credentials else None)
+    conn = await _connect(addr, credentials)
     said = time.monotonic()
     try:
         for n, part in enumerate(_read_on(parts), 1):
@@ -170,9 +177,13 @@ async def _apply_plan(addr: str, plan, timeout: float, credentials, halves_a_req
             try:
                 resp = await conn.request(cmd, timeout + HALF_S * _listed(part))
             except (BrokerError, OSError) as exc:
-                return merged, _stopped(n, parts, f"broker {addr}: {exc}")
+                why = f"broker {addr}: {exc}"
+                if n == 1 and isinstance(exc, RequestTimeoutError):     # (a later part's _stopped says it)
+                    why += ("\nthe plan was sent and may have been applied: applying it again is safe, what was done "
+                            "is skipped (a longer --timeout waits for its answer)")
+                return merged, _stopped(n, parts, why)
             if resp.code != ResponseCode.SUCCESS:
-                return merged, _stopped(n, parts, f"refused ({resp.code}): {resp.remark}")
+                return merged, _stopped(n, parts, admin_ops.refused(resp))
             reply = json.loads(resp.body_bytes())
             for key in ("expired", "skipped"):
                 merged[key].extend(reply.pop(key))
@@ -277,12 +288,25 @@ def _read_plan(path: str, halves_a_request: int = PLAN_SLICE):
     return plan
 
 
+def _seconds(text: str) -> float:
+    """--timeout: a number of seconds over 0. At 0 or below a request was sent and its answer not waited for: `admin
+    commit` committed and said "got no response", exit 1; nan and inf waited for ever."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds over 0 (nothing was sent)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The admin command line: whole flag names only (allow_abbrev=False, its actions' too), as the broker's."""
     parser = argparse.ArgumentParser(prog="python -m broker admin", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--broker", default=os.environ.get("BROKER_ADMIN_ADDR", "127.0.0.1:10911"))
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for each answer (default "
+                        "%(default)s)")
     parser.add_argument("--access-key", default=os.environ.get("BROKER_ADMIN_ACCESS_KEY", ""))
     parser.add_argument("--secret-key", default=os.environ.get("BROKER_ADMIN_SECRET_KEY", ""))
     sub = parser.add_subparsers(dest="action", required=True,
@@ -369,9 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         resp = asyncio.run(_call(args.broker, cmd, args.timeout, credentials))
     except (BrokerError, OSError) as exc:
         print(f"broker {args.broker}: {exc}", file=sys.stderr)
+        if isinstance(exc, RequestTimeoutError) and args.action != "list":
+            # (sent, its answer not waited for: a commit read as failed while the broker had committed it)
+            print(f"the {args.action} was sent and may have been done: `admin list` names the half at {args.offset} "
+                  "while it is undecided (a longer --timeout waits for the answer)", file=sys.stderr)
         return 1
     if resp.code != ResponseCode.SUCCESS:
-        print(f"refused ({resp.code}): {resp.remark}", file=sys.stderr)
+        print(admin_ops.refused(resp), file=sys.stderr)
         return 1
     if args.action == "list":
         data = json.loads(resp.body_bytes())

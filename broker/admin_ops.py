@@ -131,10 +131,20 @@ async def run(args, call) -> int:
     return await fn(args, call)
 
 
+def refused(resp: RemotingCommand) -> str:
+    """A refusal as said on stderr: its code and remark; a request the server does not know, why (else "refused (3):
+    request type 901 not supported" alone, pointed at a name server's port or a stock RocketMQ broker)."""
+    said = f"refused ({resp.code}): {resp.remark}"
+    if resp.code == ResponseCode.REQUEST_CODE_NOT_SUPPORTED:
+        said += ("\nthe server at --broker does not answer this request: not a txmq broker (a name server's port, 9876 "
+                 "by default, or a stock RocketMQ broker?); give a txmq broker's address (port 10911 by default)")
+    return said
+
+
 async def _ok(call, code, fields=None, body=b"") -> RemotingCommand:
     resp = await call(RemotingCommand.request(code, fields, body))
     if resp.code != ResponseCode.SUCCESS:
-        raise Refused(f"refused ({resp.code}): {resp.remark}")
+        raise Refused(refused(resp))
     return resp
 
 
@@ -162,7 +172,7 @@ async def _query(call, topic: str, key: str, max_num: int, begin: int, end: int,
         cmd.ext_fields["_UNIQUE_KEY_QUERY"] = "true"
     resp = await call(cmd)
     if resp.code not in (ResponseCode.SUCCESS, ResponseCode.QUERY_NOT_FOUND):
-        raise Refused(f"refused ({resp.code}): {resp.remark}")
+        raise Refused(refused(resp))
     # What the broker adds (the search stopped behind other keys of the hash, corrupt matches left out): unsaid,
     # "0 message(s)" told an operator the key was not there.
     if resp.remark and resp.remark != QUERY_NOT_FOUND_REMARK:

@@ -9,20 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import struct
 import weakref
 from collections import Counter
 from functools import partial
 
 from protocol.codes import ResponseCode
 from protocol.connection import DEFERRED
-from protocol.errors import HeaderError
+from protocol.errors import HeaderError, RecordError
 from protocol.message import decode_offset_msg_id, decode_record
 from protocol.txlog import DEAD_TOPIC, HALF_TOPIC, P_OWNER, parse_dead_letter
 
 from ..answer import Answer
 from ..retention import PlanRefused, applied_counts, applied_line, applied_totals
 from ..transaction import DecisionError
-from ..transaction.core import UNKNOWN
+from ..transaction.core import NO_HALF, UNKNOWN
 from ..transaction.records import COMMIT, ROLLBACK
 from ..transaction.service import dumps
 from .admin import stored_record
@@ -165,7 +166,9 @@ async def _list_page(ctx, cmd, group, limit, after):
         txs.append(tx)
     # (counted as the page is answered: halves come and go while a long walk yields)
     total = _listed_total(ctx, group)
-    next_after = (txs[-1].queue_offset if txs else after) if more else None     # (the last found, decided or not)
+    # (the last found, decided or not; none after a page of limit=0, a count: its cursor, ``after`` again, never
+    # moved, and a script following next_after asked the same empty page for ever)
+    next_after = (txs[-1].queue_offset if txs else after) if more and limit else None
     # found, then decided in a later turn of the walk: not listed as undecided (its commit would be refused)
     txs = [tx for tx in txs if ctx.tx.pending.get(tx.half_offset) is tx]
     body = {"pending": ctx.tx.describe(txs=txs), "total": total, "after": after, "limit": limit,
@@ -185,8 +188,52 @@ async def resolve_transaction(ctx, conn, cmd):
     try:
         remark = await ctx.tx.decide(off, decision)
     except DecisionError as exc:
-        return cmd.response(exc.code, exc.remark)
+        remark = exc.remark
+        if remark == NO_HALF:
+            remark = f"{remark}: {_not_a_half(ctx, off)}"
+        return _refused(conn, cmd, decision, off, exc.code, remark)
     return cmd.response(ResponseCode.SUCCESS, remark)
+
+
+def _refused(conn, cmd, what: str, off: int, code: int, remark: str):
+    """The answer to an admin's ``what`` (COMMIT, ROLLBACK, resume) of the transaction at ``off``, refused: said in the
+    log too, after its "forces"/"resumes" line, which read as done (a typo's read as a forced decision)."""
+    log.warning("admin %s:%s: %s of the transaction at %d refused: %s", conn.peer[0], conn.peer[1], what, off, remark)
+    return cmd.response(code, remark)
+
+
+def _not_a_half(ctx, off: int) -> str:
+    """What lies at commit-log ``off``, neither undecided nor decided: said to an admin whose commit or rollback named
+    it, RocketMQ's "Find prepared transaction message failed" alone whether it was a typo, a plain message's offset,
+    a removed segment or past the log's end."""
+    if off in ctx.tx.pending:
+        # (a COMMIT copies the half: its record gone or its head damaged, this was "no message starts at N ...
+        # `admin list` names the undecided halves", the list naming N)
+        return (f"the half at {off} is undecided but its record does not read (removed or damaged); nothing changed: "
+                f"it cannot be committed, `admin rollback {off}` decides it without reading it")
+    return f"{_what_lies_at(ctx.store, off)}; nothing changed (`admin list` names the undecided halves)"
+
+
+def _what_lies_at(store, off: int) -> str:
+    """What the commit log holds at ``off``, read through its checked record (never past a segment's end or the
+    log's), a damaged record's decode error said, not raised (it was answered as the admin request's failure)."""
+    if off < 0:
+        return f"{off} is not a commit-log offset (0 or more)"
+    if off < store.min_physical_offset:
+        return (f"{off} is below the commit log's first offset {store.min_physical_offset} (its segment was removed; "
+                "retention dead-letters an undecided half before it removes its segment)")
+    if off >= store.max_physical_offset:
+        return f"{off} is past the commit log's end {store.max_physical_offset}"
+    view = store.get_record(off)
+    if view is None:
+        return f"no message starts at offset {off}"
+    try:
+        topic = decode_record(view)[0].topic
+    except (RecordError, ValueError, IndexError, struct.error) as exc:
+        return f"the record at {off} does not decode ({exc})"
+    if topic != HALF_TOPIC:
+        return f"{off} is a message of topic {topic}, not a transaction's half"
+    return f"the half at {off} is not held undecided"
 
 
 async def resume_transaction(ctx, conn, cmd):
@@ -220,7 +267,7 @@ async def _resume(ctx, conn, cmd, off: int, owner: str | None = None):
     try:
         remark = await ctx.tx.resume(off, owner)
     except DecisionError as exc:
-        return cmd.response(exc.code, exc.remark)
+        return _refused(conn, cmd, "resume", off, exc.code, exc.remark)
     return cmd.response(ResponseCode.SUCCESS, remark)
 
 

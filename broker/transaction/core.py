@@ -45,6 +45,7 @@ from .check import Policy, first_check_time, next_check_after_check
 from protocol.txlog import COMMIT, DEAD, P_OWNER, RESUME, ROLLBACK, plain_owner
 
 UNKNOWN = "UNKNOWN"
+NO_HALF = "Find prepared transaction message failed"      # (RocketMQ's remark: no half at the offset)
 _BUCKET = 1024      # half-queue offsets a bucket of the floor's index spans (TransactionCore.lowest_queue_offset)
 UNCHECKABLE = "uncheckable-half"   # the dead-letter reason of a half naming no producer group or real topic
 DECISIONS = (COMMIT, ROLLBACK, DEAD)
@@ -620,7 +621,7 @@ class TransactionCore:
         if tx is None:
             earlier = self.decided(half_offset)
             if earlier is None:
-                return Reply(ResponseCode.SYSTEM_ERROR, "Find prepared transaction message failed", "no-half")
+                return Reply(ResponseCode.SYSTEM_ERROR, NO_HALF, "no-half")
             # A decided half is held to the same checks as an undecided one (RocketMQ's checkPrepareMessage reads
             # the half whatever became of it): another group's END was answered as if it were the producer's.
             half = self.half_of(half_offset) if self.half_of is not None else None
