@@ -990,7 +990,7 @@ class IndexService:
             log.info("removed index files %s: every entry points below the log's first offset %d", gone,
                      min_offset)
         if failed is None:
-            self._expire_said = bool(self._expired_left)
+            self._expire_said = False     # (none left: every file went, the retried ones too)
         elif not self._expire_said:
             self._expire_said = True
             raise failed

@@ -87,7 +87,8 @@ class MessageStore:
         self.queue_files_left: list[OSError] = []    # the last remove_segment's: a queue's files it could not unlink
         self._queue_leftovers: list[str] = []   # paths of queue files removals could not unlink, oldest first: each
         # removal tries them again (kept until a restart, every later removal's files of an immutable queue directory
-        # made mutable again joined them)
+        # made mutable again joined them); after the start, changed in place only by the removals' jobs on the flush
+        # thread (_remove_runs), each after the one before
         self._landed_listeners: list[Callable[[str, int, int], None]] = []   # see add_landed_listener
         # fn(topic, queue id) when a new record makes a consume queue that did not exist (the server sets it:
         # a topic whose config a crash lost, committed into by a half or a scheduled message, is made again).
@@ -1566,7 +1567,7 @@ class MessageStore:
             await self._writer.control(op)
         finally:
             if removing:
-                self.queue_files_left, self._queue_leftovers = await removing[0]
+                self.queue_files_left = await removing[0]
         for fn in self._removal_listeners:
             try:
                 fn(clog.min_offset)
@@ -1704,10 +1705,13 @@ def _unlink_if_there(path: str) -> None:
         os.unlink(path)
 
 
-def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
+def _remove_runs(runs, leftovers: list[str]) -> list[OSError]:
     """remove_files of each run (a queue's files), after the earlier removals' ``leftovers`` are tried again (oldest
     first; in a directory, the ones after a refused one wait with it, and so do the runs of that directory: no gap).
-    Returns the errors of the runs that could not all be unlinked, and the paths still left on disk."""
+    Returns the errors of the runs that could not all be unlinked; ``leftovers`` becomes the paths still left on
+    disk, in place, here on the flush thread: a removal's job sees the one before it's (two removals at once, the
+    second's writer op ran before the first's job: handed the list from before it and assigned on the loop after it,
+    the first's refused file was dropped until a restart and the second's file of that queue unlinked behind it)."""
     left, refused = [], {}
     for path in leftovers:
         where = os.path.dirname(path)
@@ -1731,7 +1735,8 @@ def _remove_runs(runs, leftovers: list[str]) -> tuple[list[OSError], list[str]]:
         if exc is not None:
             errors.append(exc)
             left += [mf.path for mf in run if os.path.exists(mf.path)]
-    return errors, left
+    leftovers[:] = left
+    return errors
 
 
 def _summarize(seg: Segment) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import json
 import os
+import threading
 
 import pytest
 
@@ -21,6 +22,7 @@ from broker.context import BrokerContext, aged_clock
 from broker.metrics import BrokerMetrics
 from broker.retention import PlanRefused, Retention
 from broker.store import ConsumerOffsets, GetStatus, MessageStore, PutRequest, StoreConfig
+from broker.store import store as store_module
 from broker.topics import TopicManager
 from broker.transaction import TransactionService
 from broker.transaction.service import DEAD_LETTER_BATCH
@@ -1727,6 +1729,49 @@ async def test_a_later_removal_leaves_no_gap_after_a_refused_queue_file(tmp_path
         assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
         assert reopened.min_offset("Flow", 0) == low
         assert os.path.exists(os.path.join(queue_dir, first)) == restart_refused
+    finally:
+        await reopened.close()
+
+
+@bounded(30)
+async def test_concurrent_removals_keep_the_first_ones_refused_queue_file(tmp_path, monkeypatch):
+    """Two removals at once (store.remove_segment has no lock of its own): the second's writer op ran while the
+    first's queue-file job was still queued on the flush thread, so it took the leftovers from before the first's
+    refusal; the second's result, assigned last, dropped the refused file (not retried until a restart) and the
+    second's own file of that queue was unlinked behind it: a gap, the queue rebuilt as damaged at the next start."""
+    ctx, clock, cfg, queue_dir, first, _unlink = await _aligned_queue_files(tmp_path, monkeypatch)
+    store = ctx.store
+    io, release, jobs = store._io, threading.Event(), []
+    held = io.submit(release.wait, 10)      # the flush thread busy: both removals' queue-file jobs wait behind it
+    real_submit = io.submit
+
+    def submit(fn, *args, **kwargs):
+        if fn is store_module._remove_runs:
+            jobs.append(fn)
+        return real_submit(fn, *args, **kwargs)
+    monkeypatch.setattr(io, "submit", submit)
+    removals = []
+    for seg in store._log.segments[:2]:     # the second begun once the first's writer op has queued its job
+        removals.append(asyncio.ensure_future(store.remove_segment(seg.name)))
+        for _ in range(1000):
+            if len(jobs) == len(removals) or removals[-1].done():
+                break
+            await asyncio.sleep(0.01)
+    assert len(jobs) == 2 and not any(r.done() for r in removals), (jobs, removals)
+    release.set()
+    await held
+    await asyncio.gather(*removals)
+    starts = sorted(int(n) for n in os.listdir(queue_dir))
+    assert starts[0] == int(first) and len(starts) >= 3, starts
+    assert [b - a for a, b in zip(starts, starts[1:])] == [16 * 20] * (len(starts) - 1), starts    # no gap
+    assert os.path.join(queue_dir, first) in store._queue_leftovers, store._queue_leftovers
+    low = store.min_offset("Flow", 0)
+    await store.close()
+    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await reopened.open()
+    try:
+        assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
+        assert reopened.min_offset("Flow", 0) == low
     finally:
         await reopened.close()
 
