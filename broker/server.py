@@ -349,6 +349,7 @@ class BrokerServer:
             self.slave_sync.delete_topic = self._delete_followed_topic
             self.slave_sync.forget_groups = self.metrics.forget_consumer_groups     # with the offsets, as the master
             self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
+            self.slave_sync.master_end_learnt = ctx.ha.master_log_end_learnt    # the slave's lag gauge
             self.slave_sync.following = lambda: ctx.ha.following
             ctx.retention.master_removed_to = self.slave_sync.removable_end    # removes what the master did
             if not c.namesrv_addrs:
@@ -517,8 +518,9 @@ class BrokerServer:
         m.add_corrupt_collector(ctx.store)
         m.add_compaction_collector(ctx.tx.core)
         m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
-                              "the furthest offset a slave acknowledged; on a slave, what the master last sent "
-                              "less what is stored here (absent without replication).", [], snap("ha_lag"))
+                              "the furthest offset a slave acknowledged; on a slave, its master's log end (as last "
+                              "learnt, every --slave-sync-interval-ms) less what is stored here (absent without "
+                              "replication).", [], snap("ha_lag"))
         m.add_gauge_collector("txmq_ha_slave_connected", "On a master, slaves connected to its HA port; on a "
                               "slave, 1 while it follows its master (absent without replication).", [],
                               snap("ha_connected"))

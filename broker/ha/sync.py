@@ -70,6 +70,7 @@ class SlaveSync:
         self.delete_topic = None        # async fn(topic, written_from) -> deleted: as the master did (config, queues,
                                         # offsets), unless its queues hold a record at or past written_from
         self.log_end = lambda: None     # set by the server: the slave's readable log end
+        self.master_end_learnt = lambda end: None   # set by the server: told the master's log end at each sync (lag)
         # (the master's dataVersion last taken, this slave's own counter right after): a table of that version is not
         # gone over again while nothing here changed the slave's since (RocketMQ compares the slave's own version)
         self._topics_version = None, None
@@ -309,6 +310,7 @@ class SlaveSync:
         if self._bounds_failing is not None:
             log.warning("master %s's log start learnt again", addr)
             self._bounds_failing = None
+        self.master_end_learnt(bounds[1])
         self.removable_end(self.log_end())      # latches the pending bounds if this slave's log reached them
         if self._master_log is None:
             # Replaced only once reached: a slave steadily behind by more than one interval's writes never held the

@@ -240,10 +240,11 @@ async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(bro
     assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
 
 
-def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str, master_flags=()):
+def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str, master_flags=(),
+                              slave_ha=lambda master_ha: master_ha):
     """A stand-alone name server, a SYNC_MASTER and its SLAVE registered under broker name ``name``; each
     process goes on ``started`` as it starts (the caller kills them). The master's, then the slave's, are
-    ``master_flags`` and ``slave_flags``."""
+    ``master_flags`` and ``slave_flags``; the slave follows the HA address ``slave_ha`` gives for the master's."""
     from tests.support.broker_process import BrokerProcess
     from tests.support.cluster_process import NamesrvProcess, cluster_flags
 
@@ -253,8 +254,8 @@ def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: 
                            "--ha-port", "0", "--ha-heartbeat-interval-ms", "500", *master_flags).start()
     started.append(master)
     slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SLAVE",
-                          "--broker-id", "1", "--ha-master-addr", master.ha, "--ha-heartbeat-interval-ms", "500",
-                          *slave_flags).start()
+                          "--broker-id", "1", "--ha-master-addr", slave_ha(master.ha),
+                          "--ha-heartbeat-interval-ms", "500", *slave_flags).start()
     started.append(slave)
     return ns, master, slave
 
@@ -829,6 +830,37 @@ async def test_a_slave_killed_while_catching_up_resumes_with_every_record_once(b
     assert [f.name for f in m_files] == [f.name for f in s_files]
     for mf, sf in zip(m_files, s_files):
         assert mf.read_bytes() == sf.read_bytes(), mf.name
+
+
+async def test_a_slave_far_behind_gauges_its_lag_from_the_masters_log_end(tmp_path):
+    """A slave copying a backlog (here held at 256 KiB of a 2 MB log by a proxy on its HA link) gauges how far it is
+    behind its master's log end. It gauged only the transfers in flight: 0 here, at most the 32 MiB queued to its
+    writer for a slave 1 GB behind."""
+    limit = 256 * 1024
+    proxy = _HoldingProxy("", limit)
+    via = await proxy.start()
+    started = []
+    try:
+        def through_proxy(master_ha):
+            proxy.target = master_ha
+            return via
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-lag", started, "--slave-sync-interval-ms",
+                                                      "200", master_flags=("--broker-role", "ASYNC_MASTER"),
+                                                      slave_ha=through_proxy)
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_lag") as producer:
+                for _ in range(40):
+                    results = await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000) for _ in range(50)))
+                    assert {r.status for r in results} == {SendStatus.SEND_OK}
+            end = await _log_end(master.broker)
+            assert end > 8 * limit
+            await proxy.held.wait()
+            while (await asyncio.to_thread(_scrape, slave.metrics))["txmq_ha_slave_lag_bytes"] < end - limit:
+                await asyncio.sleep(0.1)
+    finally:
+        for p in reversed(started):
+            p.kill()
+        await proxy.close()
 
 
 async def test_a_stalled_link_is_dropped_with_a_log_line_that_says_why(broker_factory):
