@@ -162,6 +162,41 @@ def test_unregister_and_a_restart_at_a_new_address():
     assert t.route("TopicA") is None and t.brokers == {} and t.clusters == {}
 
 
+def test_two_live_brokers_taking_one_name_and_id_from_each_other_are_said(caplog):
+    """Two masters left at one broker name (or two slaves given one id) took the id from each other at every
+    registration, the routes flipping between them, and nothing said it."""
+    t = RouteTable()
+    caplog.set_level("WARNING", logger="txmq.namesrv")
+    reg(t, "a", "h:1", T1, conn="c1")
+    reg(t, "a", "h:2", T1, conn="c2", now=1)            # a restart elsewhere looks the same so far: not said
+    assert t.id_clashes == 0 and not caplog.records
+    reg(t, "a", "h:1", T1, conn="c1", now=2)            # taken back: two brokers
+    assert t.id_clashes == 1
+    [rec] = caplog.records
+    assert "h:2 and h:1 both register as C a id 0" in rec.getMessage() and "--broker-name" in rec.getMessage()
+    for now in range(3, 10):                            # flipping on: counted, said again only after 10 minutes
+        reg(t, "a", "h:2" if now % 2 else "h:1", T1, conn="c2" if now % 2 else "c1", now=now)
+    assert t.id_clashes == 8 and len(caplog.records) == 1
+    reg(t, "a", "h:1", T1, conn="c1", now=600_002)
+    assert len(caplog.records) == 2 and "9 such registrations" in caplog.records[1].getMessage()
+    reg(t, "a", "h:3", T1, bid=1, conn="c3")            # slaves too
+    reg(t, "a", "h:4", T1, bid=1, conn="c4")
+    reg(t, "a", "h:3", T1, bid=1, conn="c3")
+    assert "a slave" in caplog.records[-1].getMessage() and t.id_clashes == 10
+    t.expire(10 ** 9)
+    assert t.taken == {}
+
+
+def test_a_restart_at_a_new_address_before_the_old_connection_closed_is_not_said(caplog):
+    t = RouteTable()
+    caplog.set_level("WARNING", logger="txmq.namesrv")
+    reg(t, "a", "h:1", T1, conn="old")
+    reg(t, "a", "h:9", T1, conn="new")
+    reg(t, "a", "h:9", T1, conn="new", now=30_000)
+    assert t.id_clashes == 0 and not caplog.records
+    assert t.route("TopicA").broker_datas[0].broker_addrs == {0: "h:9"}
+
+
 def _perms(table, topic):
     return {q.broker_name: q.perm for q in table.route(topic).queue_datas}
 
