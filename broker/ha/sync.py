@@ -60,6 +60,8 @@ class SlaveSync:
         self.copied_at = self.clock()           # the last whole copy's time (the start's while none): copy_age_s
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
+        self.ha_master_addr = ""        # set by the server: the HA address this slave follows (--ha-master-addr)
+        self.ha_mismatch: str | None = None     # the name server's master's HA address, when not ha_master_addr
         self.synced = 0                         # copies taken (metrics, tests)
         # unsigned, as RocketMQ's slave asks: a master with an ACL must whitelist the slave's address
         self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
@@ -114,12 +116,38 @@ class SlaveSync:
         """The Java master's delay progress copy (txmq_config_write_hung's ``file``)."""
         return os.path.join(self._config_dir or "", MASTER_COPY_NAME)
 
-    def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
-        """The registrar's on_result: the name server names this broker's master (empty while none)."""
-        addr = (resp.ext_fields or {}).get("masterAddr") or None
+    def on_registered(self, namesrv: str, resp: RemotingCommand) -> None:
+        """The registrar's on_result: the name server names this broker's master (empty while none), and the HA
+        address that master registered."""
+        fields = resp.ext_fields or {}
+        addr = fields.get("masterAddr") or None
         if addr != self.master_addr:
             log.info("master broker address for offset copies: %s", addr or "none (not registered yet)")
             self.master_addr = addr
+        self._check_ha_master(namesrv, addr, fields.get("haServerAddr") or None)
+
+    def _check_ha_master(self, namesrv: str, addr: str | None, registered: str | None) -> None:
+        """The master this slave's name server names must be the one its log follows (--ha-master-addr). Another --
+        a typo'd port, another cluster's master, a slave under the wrong --broker-name -- and the slave copied one
+        broker's log and another's consumer offsets, topics and groups: consumers failing over to it went on from
+        offsets of another log. Said at ERROR once an address, txmq_ha_slave_master_mismatch 1 meanwhile; the copies
+        go on (the same master under two addresses -- a host name and an IP -- is told apart by no string)."""
+        if registered is None or not self.ha_master_addr:
+            return
+        if registered == self.ha_master_addr:
+            if self.ha_mismatch is not None:
+                log.warning("name server %s now names master %s with HA address %s, the one this slave follows",
+                            namesrv, addr, registered)
+                self.ha_mismatch = None
+            return
+        if registered != self.ha_mismatch:
+            self.ha_mismatch = registered
+            log.error("this slave follows the log of %s (--ha-master-addr), but name server %s names its master %s, "
+                      "whose HA address is %s: it copies consumer offsets, topics and groups from that master, and "
+                      "consumers failing over to it go on from offsets of another log. Point --ha-master-addr at %s "
+                      "(or, if that is the same broker under another address, at the address it registers; or give "
+                      "this slave its master's --broker-name). txmq_ha_slave_master_mismatch is 1 meanwhile",
+                      self.ha_master_addr, namesrv, addr, registered, registered)
 
     async def run(self) -> None:
         while True:

@@ -315,6 +315,8 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
                 await consumer.commit_offset(mq, 17)            # to the master, while it is there
                 assert await consumer.fetch_offset(mq) == 17
             await _until_slave_has_offset(slave, "CG_failover", mq, 17)
+            # (its name server names the master it follows: no mismatch said)
+            assert (await asyncio.to_thread(_scrape, slave.metrics))["txmq_ha_slave_master_mismatch"] == 0
             master.kill()
             while 0 in (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs:
                 await asyncio.sleep(0.1)
@@ -861,6 +863,29 @@ async def test_a_slave_far_behind_gauges_its_lag_from_the_masters_log_end(tmp_pa
         for p in reversed(started):
             p.kill()
         await proxy.close()
+
+
+async def test_a_slave_following_another_masters_log_than_its_name_server_names_says_so(tmp_path):
+    """A slave registered as broker-x whose --ha-master-addr is another cluster's master (a port mistyped, a config
+    copied from another cluster): it copied that master's log and broker-x's master's consumer offsets, topics and
+    groups, and nothing said so."""
+    from tests.support.broker_process import BrokerProcess
+
+    started = []
+    try:
+        other = BrokerProcess(tmp_path / "other", "--broker-role", "ASYNC_MASTER", "--ha-port", "0").start()
+        started.append(other)
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-x", started, "--slave-sync-interval-ms", "200",
+                                                      slave_ha=lambda _own: other.ha)
+        async with asyncio.timeout(30):
+            while (await asyncio.to_thread(_scrape, slave.metrics)).get("txmq_ha_slave_master_mismatch") != 1:
+                await asyncio.sleep(0.1)
+        said = [line for line in slave.log().splitlines() if "(--ha-master-addr), but name server" in line]
+        assert len(said) == 1 and other.ha in said[0] and master.ha in said[0] and master.broker in said[0], said
+        assert (await asyncio.to_thread(_scrape, master.metrics)).get("txmq_ha_slave_master_mismatch") is None
+    finally:
+        for p in reversed(started):
+            p.kill()
 
 
 async def test_a_stalled_link_is_dropped_with_a_log_line_that_says_why(broker_factory):
