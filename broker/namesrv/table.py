@@ -77,9 +77,9 @@ class RouteTable:
         self.queues: dict[str, dict[str, QueueData]] = {}
         self.live: dict[str, BrokerLive] = {}
         self.write_wiped: set[str] = set()     # broker names; only names in ``brokers``, so bounded by them
-        # (broker name, id) -> (the live address a registration took them from, when its clash was last said):
-        # only names in ``brokers``
-        self.taken: dict[tuple[str, int], tuple[str, int]] = {}
+        # (broker name, id) -> ({live address a registration took them from: when, within expire_ms}, when its clash
+        # was last said): only names in ``brokers``, only addresses that lost them within expire_ms
+        self.taken: dict[tuple[str, int], tuple[dict[str, int], int]] = {}
         self.id_clashes = 0             # registrations that took a name and id back from a live address that took them
 
     # ---------------------------------------------------------- registration
@@ -136,17 +136,20 @@ class RouteTable:
         master left at the default name, two slaves given one id, another cluster's broker -- each taking it back at
         its next registration. Routes then flipped between them every registration period, in silence (as in
         RocketMQ 4.9.8): producers sent into two logs, consumers read and committed on either. Said (WARNING, at most
-        every CLASH_SAID_MS a name and id) once it is taken back by the address it was taken from."""
+        every CLASH_SAID_MS a name and id) once an address it was taken from within expire_ms takes it again (three
+        brokers taking it in turn too; an address taking it back later was restarted there, not said)."""
         key = (name, bid)
-        before, said_ms = self.taken.get(key, ("", -(1 << 62)))
-        if before != new:       # the first take (a restart, likely): remembered, not said
-            self.taken[key] = (old, -(1 << 62))
+        lost, said_ms = self.taken.get(key, ({}, -(1 << 62)))
+        # A live broker registers again within expire_ms: one that lost the name and id longer ago and takes them now
+        # is a broker restarted there (a switch back), not one taking them back.
+        clash = now_ms - lost.get(new, -(1 << 62)) <= self.expire_ms
+        lost = {a: ms for a, ms in lost.items() if a != new and now_ms - ms <= self.expire_ms}
+        lost[old] = now_ms
+        self.id_clashes += clash
+        if not clash or now_ms - said_ms < CLASH_SAID_MS:   # not clash: the first take (a restart, likely)
+            self.taken[key] = (lost, said_ms)
             return
-        self.id_clashes += 1
-        if now_ms - said_ms < CLASH_SAID_MS:
-            self.taken[key] = (old, said_ms)
-            return
-        self.taken[key] = (old, now_ms)
+        self.taken[key] = (lost, now_ms)
         log.warning("brokers %s and %s both register as %s %s id %d (%s): each takes the name and id back from the "
                     "other at its registration, and routes flip between them -- producers send into two logs, "
                     "consumers read and commit offsets on either. Give each broker its own --broker-name (each master "
