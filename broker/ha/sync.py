@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 
 from protocol.admin_bodies import (add_offset_entries, offset_table_members, quote_int_keys,
@@ -62,6 +63,7 @@ class SlaveSync:
         self.master_addr: str | None = None     # the master's broker address, from the name server
         self.ha_master_addr = ""        # set by the server: the HA address this slave follows (--ha-master-addr)
         self.ha_mismatch: str | None = None     # the name server's master's HA address, when not ha_master_addr
+        self._ha_check: asyncio.Task | None = None  # the registered HA address against ha_master_addr (resolved)
         self.synced = 0                         # copies taken (metrics, tests)
         # unsigned, as RocketMQ's slave asks: a master with an ACL must whitelist the slave's address
         self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
@@ -131,10 +133,21 @@ class SlaveSync:
         a typo'd port, another cluster's master, a slave under the wrong --broker-name -- and the slave copied one
         broker's log and another's consumer offsets, topics and groups: consumers failing over to it went on from
         offsets of another log. Said at ERROR once an address, txmq_ha_slave_master_mismatch 1 meanwhile; the copies
-        go on (the same master under two addresses -- a host name and an IP -- is told apart by no string)."""
+        go on (a proxy or port mapping between the two is no mismatch this can tell). One master under two
+        names -- a host name here, its IP registered -- is one: the two are resolved (off the loop) before said."""
         if registered is None or not self.ha_master_addr:
             return
-        if registered == self.ha_master_addr:
+        if self._ha_check is not None and not self._ha_check.done():
+            return      # the check under way decides; the next registration (a period on) checks again
+        self._ha_check = asyncio.get_running_loop().create_task(self._check_ha(namesrv, addr, registered))
+
+    async def ha_checked(self) -> None:
+        """(tests) The latest registration's HA address check done."""
+        if self._ha_check is not None:
+            await asyncio.shield(self._ha_check)
+
+    async def _check_ha(self, namesrv: str, addr: str | None, registered: str) -> None:
+        if registered == self.ha_master_addr or await _same_endpoint(registered, self.ha_master_addr, self.timeout_s):
             if self.ha_mismatch is not None:
                 log.warning("name server %s now names master %s with HA address %s, the one this slave follows",
                             namesrv, addr, registered)
@@ -568,7 +581,25 @@ class SlaveSync:
             self._failing = why
 
     async def close(self) -> None:
+        if self._ha_check is not None:
+            self._ha_check.cancel()
         await self.pool.close()
+
+
+async def _same_endpoint(a: str, b: str, timeout_s: float) -> bool:
+    """HOST:PORT ``a`` and ``b`` one endpoint: one port, hosts resolving to a shared IP ("localhost" and 127.0.0.1, a
+    host name and the IP a master registers). Unresolved in ``timeout_s``: not known to be one."""
+    (host_a, _, port_a), (host_b, _, port_b) = a.rpartition(":"), b.rpartition(":")
+    if port_a != port_b:
+        return False
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout_s):
+            ips = [{info[4][0] for info in await loop.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)}
+                   for host in (host_a, host_b)]
+    except (OSError, TimeoutError, UnicodeError):
+        return False
+    return not ips[0].isdisjoint(ips[1])
 
 
 def _save_named(path: str, named: set[str]) -> None:

@@ -1056,3 +1056,33 @@ async def test_a_negative_offset_on_the_master_forgets_the_slaves_copy_as_a_java
     assert offsets.get("CG", "Orders", 0) is None and offsets.get("CG", "Orders", 1) == 7
     offsets.persist()
     assert sorted(ConsumerOffsets(str(tmp_path)).items()) == [(("CG", "Orders", 1), 7)]
+
+
+def _registered(sync, ha: str, master: str = "127.0.0.1:10911") -> None:
+    """The name server's answer to this slave's registration: its master and the HA address that master registered."""
+    cmd = RemotingCommand.request(RequestCode.REGISTER_BROKER)
+    sync.on_registered("ns", cmd.response(ResponseCode.SUCCESS, None, {"masterAddr": master, "haServerAddr": ha}))
+
+
+@bounded(10)
+async def test_a_slave_following_its_master_by_host_name_is_no_mismatch(tmp_path, caplog):
+    """--ha-master-addr localhost:10912 and the master registering 127.0.0.1:10912 (a host name in the slave's config,
+    the master's IP registered: RocketMQ registers brokerIP2) are one master: said at ERROR as another master's log,
+    txmq_ha_slave_master_mismatch 1 and its alert firing for good on a correctly configured slave."""
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.ha_master_addr = "localhost:10912"
+    try:
+        _registered(sync, "127.0.0.1:10912")
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None and "but name server" not in caplog.text
+        _registered(sync, "127.0.0.1:10913")                # another port: another master
+        await sync.ha_checked()
+        assert sync.ha_mismatch == "127.0.0.1:10913" and caplog.text.count("but name server") == 1
+        _registered(sync, "127.0.0.1:10913")
+        await sync.ha_checked()
+        assert caplog.text.count("but name server") == 1    # said once an address
+        _registered(sync, "127.0.0.1:10912")
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None
+    finally:
+        await sync.close()
