@@ -597,7 +597,7 @@ async def _same_endpoint(a: str, b: str, timeout_s: float) -> bool:
         async with asyncio.timeout(timeout_s):
             ips = [{info[4][0] for info in await loop.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)}
                    for host in (host_a, host_b)]
-    except (OSError, TimeoutError, UnicodeError):
+    except (OSError, TimeoutError, ValueError):     # (UnicodeError, a NUL in a name: ValueErrors)
         return False
     return not ips[0].isdisjoint(ips[1])
 
