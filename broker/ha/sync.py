@@ -62,8 +62,10 @@ class SlaveSync:
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
         self.ha_master_addr = ""        # set by the server: the HA address this slave follows (--ha-master-addr)
-        self.ha_mismatch: str | None = None     # the name server's master's HA address, when not ha_master_addr
-        self._ha_check: asyncio.Task | None = None  # the registered HA address against ha_master_addr (resolved)
+        # name server -> the HA address its master registered, when not ha_master_addr; and the check under way of
+        # each name server's answer (resolved off the loop): both bounded by --namesrv-addr
+        self._ha_mismatches: dict[str, str] = {}
+        self._ha_checks: dict[str, asyncio.Task] = {}
         self.synced = 0                         # copies taken (metrics, tests)
         # unsigned, as RocketMQ's slave asks: a master with an ACL must whitelist the slave's address
         self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
@@ -137,24 +139,30 @@ class SlaveSync:
         names -- a host name here, its IP registered -- is one: the two are resolved (off the loop) before said."""
         if registered is None or not self.ha_master_addr:
             return
-        if self._ha_check is not None and not self._ha_check.done():
+        under_way = self._ha_checks.get(namesrv)
+        if under_way is not None and not under_way.done():
             return      # the check under way decides; the next registration (a period on) checks again
-        self._ha_check = asyncio.get_running_loop().create_task(self._check_ha(namesrv, addr, registered))
+        self._ha_checks[namesrv] = asyncio.get_running_loop().create_task(self._check_ha(namesrv, addr, registered))
+
+    @property
+    def ha_mismatch(self) -> str | None:
+        """An HA address a name server's master registered that is not the one this slave follows (the gauge)."""
+        return next(iter(self._ha_mismatches.values()), None)
 
     async def ha_checked(self) -> None:
-        """(tests) The latest registration's HA address check done."""
-        if self._ha_check is not None:
-            await asyncio.shield(self._ha_check)
+        """(tests) The latest registrations' HA address checks done."""
+        await asyncio.gather(*(asyncio.shield(t) for t in self._ha_checks.values()))
 
     async def _check_ha(self, namesrv: str, addr: str | None, registered: str) -> None:
+        """Each name server apart: one of another cluster listed among them is said once, not at every
+        registration's turn between it and the others."""
         if registered == self.ha_master_addr or await _same_endpoint(registered, self.ha_master_addr, self.timeout_s):
-            if self.ha_mismatch is not None:
+            if self._ha_mismatches.pop(namesrv, None) is not None:
                 log.warning("name server %s now names master %s with HA address %s, the one this slave follows",
                             namesrv, addr, registered)
-                self.ha_mismatch = None
             return
-        if registered != self.ha_mismatch:
-            self.ha_mismatch = registered
+        if registered != self._ha_mismatches.get(namesrv):
+            self._ha_mismatches[namesrv] = registered
             log.error("this slave follows the log of %s (--ha-master-addr), but name server %s names its master %s, "
                       "whose HA address is %s: it copies consumer offsets, topics and groups from that master, and "
                       "consumers failing over to it go on from offsets of another log. Point --ha-master-addr at %s "
@@ -581,8 +589,8 @@ class SlaveSync:
             self._failing = why
 
     async def close(self) -> None:
-        if self._ha_check is not None:
-            self._ha_check.cancel()
+        for task in self._ha_checks.values():
+            task.cancel()
         await self.pool.close()
 
 
