@@ -361,6 +361,8 @@ class BrokerServer:
             self.slave_sync.delete_topic = self._delete_followed_topic
             self.slave_sync.forget_groups = self.metrics.forget_consumer_groups     # with the offsets, as the master
             self.slave_sync.log_end = lambda: ctx.store.max_physical_offset
+            self.slave_sync.master_end_learnt = ctx.ha.master_log_end_learnt    # the slave's lag gauge
+            self.slave_sync.ha_master_addr = c.ha_master_addr                   # checked against the name server's
             self.slave_sync.following = lambda: ctx.ha.following
             ctx.retention.master_removed_to = self.slave_sync.removable_end    # removes what the master did
             if not c.namesrv_addrs:
@@ -529,8 +531,9 @@ class BrokerServer:
         m.add_corrupt_collector(ctx.store)
         m.add_compaction_collector(ctx.tx.core)
         m.add_gauge_collector("txmq_ha_slave_lag_bytes", "Replication lag in bytes: on a master, its log end less "
-                              "the furthest offset a slave acknowledged; on a slave, what the master last sent "
-                              "less what is stored here (absent without replication).", [], snap("ha_lag"))
+                              "the furthest offset a slave acknowledged; on a slave, its master's log end (as last "
+                              "learnt, every --slave-sync-interval-ms) less what is stored here (absent without "
+                              "replication).", [], snap("ha_lag"))
         m.add_gauge_collector("txmq_ha_slave_connected", "On a master, slaves connected to its HA port; on a "
                               "slave, 1 while it follows its master (absent without replication).", [],
                               snap("ha_connected"))
@@ -548,6 +551,10 @@ class BrokerServer:
         m.add_gauge_collector("txmq_ha_slave_sync_interval_seconds", "On a slave, its --slave-sync-interval-ms in "
                               "seconds: how old txmq_ha_slave_sync_age_seconds gets between sound copies (the stale "
                               "alert's threshold follows it); absent elsewhere.", [], snap("ha_sync_interval"))
+        m.add_gauge_collector("txmq_ha_slave_master_mismatch", "On a slave, 1 while its name server names a master "
+                              "whose registered HA address is not the --ha-master-addr it follows: its log is one "
+                              "broker's, its copied consumer offsets another's; absent elsewhere.", [],
+                              snap("ha_master_mismatch"))
         m.add_counter_collector("txmq_ha_slave_sessions_behind_log_start", "On a master, slave sessions closed "
                                 "because the slave was below this master's log start: retention removed what it "
                                 "still had to copy; absent elsewhere.", snap("ha_behind"))
@@ -621,6 +628,8 @@ class BrokerServer:
             **_ha_gauges(ctx.ha),
             "ha_sync_age": [] if self.slave_sync is None else [((), self.slave_sync.copy_age_s())],
             "ha_sync_interval": [] if self.slave_sync is None else [((), self.slave_sync.interval_s)],
+            "ha_master_mismatch": [] if self.slave_sync is None else
+            [((), int(self.slave_sync.ha_mismatch is not None))],
         }
 
     def _flush_age(self) -> float:

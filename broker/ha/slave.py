@@ -70,6 +70,7 @@ class HASlave:
         self.sync = False
         self.connected = False
         self.master_offset = 0          # the master's offset in the latest transfer header
+        self.master_log_end = 0         # the master's log end as SlaveSync last learnt it (GET_BROKER_RUNTIME_INFO)
         self.sessions = 0
         self._writer: asyncio.StreamWriter | None = None
         self._report_due = False
@@ -88,8 +89,14 @@ class HASlave:
         self.store_stopped = False              # holding the master back: this slave's store stopped (said once)
 
     def slave_lag_bytes(self) -> int:
-        """How far this slave's log is behind what the master last said it was sending."""
-        return max(0, self.master_offset - self.store.max_physical_offset)
+        """How far this slave's log is behind its master's: the master's log end as last learnt (SlaveSync, every
+        sync interval), or the end of the latest transfer if further. The transfers alone say only what is in
+        flight: a slave 1 GB behind, copying chunk after chunk, showed at most the bytes queued to its writer."""
+        return max(0, max(self.master_offset, self.master_log_end) - self.store.max_physical_offset)
+
+    def master_log_end_learnt(self, end: int) -> None:
+        """(SlaveSync) the master's log end, as its GET_BROKER_RUNTIME_INFO answered."""
+        self.master_log_end = end
 
     async def run(self) -> None:
         """Follow the master for ever: a lost connection is made again after RECONNECT_S."""

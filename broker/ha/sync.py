@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 
 from protocol.admin_bodies import (add_offset_entries, offset_table_members, quote_int_keys,
@@ -60,6 +61,11 @@ class SlaveSync:
         self.copied_at = self.clock()           # the last whole copy's time (the start's while none): copy_age_s
         self.timeout_s = timeout_s
         self.master_addr: str | None = None     # the master's broker address, from the name server
+        self.ha_master_addr = ""        # set by the server: the HA address this slave follows (--ha-master-addr)
+        # name server -> the HA address its master registered, when not ha_master_addr; and the check under way of
+        # each name server's answer (resolved off the loop): both bounded by --namesrv-addr
+        self._ha_mismatches: dict[str, str] = {}
+        self._ha_checks: dict[str, asyncio.Task] = {}
         self.synced = 0                         # copies taken (metrics, tests)
         # unsigned, as RocketMQ's slave asks: a master with an ACL must whitelist the slave's address
         self.pool = ConnectionPool(connect_timeout=min(3.0, timeout_s))
@@ -70,6 +76,7 @@ class SlaveSync:
         self.delete_topic = None        # async fn(topic, written_from) -> deleted: as the master did (config, queues,
                                         # offsets), unless its queues hold a record at or past written_from
         self.log_end = lambda: None     # set by the server: the slave's readable log end
+        self.master_end_learnt = lambda end: None   # set by the server: told the master's log end at each sync (lag)
         # (the master's dataVersion last taken, this slave's own counter right after): a table of that version is not
         # gone over again while nothing here changed the slave's since (RocketMQ compares the slave's own version)
         self._topics_version = None, None
@@ -113,12 +120,55 @@ class SlaveSync:
         """The Java master's delay progress copy (txmq_config_write_hung's ``file``)."""
         return os.path.join(self._config_dir or "", MASTER_COPY_NAME)
 
-    def on_registered(self, _namesrv: str, resp: RemotingCommand) -> None:
-        """The registrar's on_result: the name server names this broker's master (empty while none)."""
-        addr = (resp.ext_fields or {}).get("masterAddr") or None
+    def on_registered(self, namesrv: str, resp: RemotingCommand) -> None:
+        """The registrar's on_result: the name server names this broker's master (empty while none), and the HA
+        address that master registered."""
+        fields = resp.ext_fields or {}
+        addr = fields.get("masterAddr") or None
         if addr != self.master_addr:
             log.info("master broker address for offset copies: %s", addr or "none (not registered yet)")
             self.master_addr = addr
+        self._check_ha_master(namesrv, addr, fields.get("haServerAddr") or None)
+
+    def _check_ha_master(self, namesrv: str, addr: str | None, registered: str | None) -> None:
+        """The master this slave's name server names must be the one its log follows (--ha-master-addr). Another --
+        a typo'd port, another cluster's master, a slave under the wrong --broker-name -- and the slave copied one
+        broker's log and another's consumer offsets, topics and groups: consumers failing over to it went on from
+        offsets of another log. Said at ERROR once an address, txmq_ha_slave_master_mismatch 1 meanwhile; the copies
+        go on (a proxy or port mapping between the two is no mismatch this can tell). One master under two
+        names -- a host name here, its IP registered -- is one: the two are resolved (off the loop) before said."""
+        if registered is None or not self.ha_master_addr:
+            return
+        under_way = self._ha_checks.get(namesrv)
+        if under_way is not None and not under_way.done():
+            return      # the check under way decides; the next registration (a period on) checks again
+        self._ha_checks[namesrv] = asyncio.get_running_loop().create_task(self._check_ha(namesrv, addr, registered))
+
+    @property
+    def ha_mismatch(self) -> str | None:
+        """An HA address a name server's master registered that is not the one this slave follows (the gauge)."""
+        return next(iter(self._ha_mismatches.values()), None)
+
+    async def ha_checked(self) -> None:
+        """(tests) The latest registrations' HA address checks done."""
+        await asyncio.gather(*(asyncio.shield(t) for t in self._ha_checks.values()))
+
+    async def _check_ha(self, namesrv: str, addr: str | None, registered: str) -> None:
+        """Each name server apart: one of another cluster listed among them is said once, not at every
+        registration's turn between it and the others."""
+        if registered == self.ha_master_addr or await _same_endpoint(registered, self.ha_master_addr, self.timeout_s):
+            if self._ha_mismatches.pop(namesrv, None) is not None:
+                log.warning("name server %s now names master %s with HA address %s, the one this slave follows",
+                            namesrv, addr, registered)
+            return
+        if registered != self._ha_mismatches.get(namesrv):
+            self._ha_mismatches[namesrv] = registered
+            log.error("this slave follows the log of %s (--ha-master-addr), but name server %s names its master %s, "
+                      "whose HA address is %s: it copies consumer offsets, topics and groups from that master, and "
+                      "consumers failing over to it go on from offsets of another log. Point --ha-master-addr at %s "
+                      "(or, if that is the same broker under another address, at the address it registers; or give "
+                      "this slave its master's --broker-name). txmq_ha_slave_master_mismatch is 1 meanwhile",
+                      self.ha_master_addr, namesrv, addr, registered, registered)
 
     async def run(self) -> None:
         while True:
@@ -317,6 +367,7 @@ class SlaveSync:
         if self._bounds_failing is not None:
             log.warning("master %s's log start learnt again", addr)
             self._bounds_failing = None
+        self.master_end_learnt(bounds[1])
         self.removable_end(self.log_end())      # latches the pending bounds if this slave's log reached them
         if self._master_log is None:
             # Replaced only once reached: a slave steadily behind by more than one interval's writes never held the
@@ -546,7 +597,25 @@ class SlaveSync:
             self._failing = why
 
     async def close(self) -> None:
+        for task in self._ha_checks.values():
+            task.cancel()
         await self.pool.close()
+
+
+async def _same_endpoint(a: str, b: str, timeout_s: float) -> bool:
+    """HOST:PORT ``a`` and ``b`` one endpoint: one port, hosts resolving to a shared IP ("localhost" and 127.0.0.1, a
+    host name and the IP a master registers). Unresolved in ``timeout_s``: not known to be one."""
+    (host_a, _, port_a), (host_b, _, port_b) = a.rpartition(":"), b.rpartition(":")
+    if port_a != port_b:
+        return False
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout_s):
+            ips = [{info[4][0] for info in await loop.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)}
+                   for host in (host_a, host_b)]
+    except (OSError, TimeoutError, ValueError):     # (UnicodeError, a NUL in a name: ValueErrors)
+        return False
+    return not ips[0].isdisjoint(ips[1])
 
 
 def _save_named(path: str, named: set[str]) -> None:

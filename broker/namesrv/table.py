@@ -43,6 +43,7 @@ from ..limits import peer_host
 log = logging.getLogger("txmq.namesrv")
 
 MASTER_ID = 0
+CLASH_SAID_MS = 600_000     # two live brokers taking one name and id from each other: said at most this often
 
 
 @dataclass(slots=True)
@@ -76,6 +77,10 @@ class RouteTable:
         self.queues: dict[str, dict[str, QueueData]] = {}
         self.live: dict[str, BrokerLive] = {}
         self.write_wiped: set[str] = set()     # broker names; only names in ``brokers``, so bounded by them
+        # (broker name, id) -> ({live address a registration took them from: when, within expire_ms}, when its clash
+        # was last said): only names in ``brokers``, only addresses that lost them within expire_ms
+        self.taken: dict[tuple[str, int], tuple[dict[str, int], int]] = {}
+        self.id_clashes = 0             # registrations that took a name and id back from a live address that took them
 
     # ---------------------------------------------------------- registration
     def room_for(self, broker_addr: str, conn: object) -> bool:
@@ -103,6 +108,8 @@ class RouteTable:
         bd.broker_addrs[broker_id] = broker_addr
         first = first or old_addr is None
         if old_addr is not None and old_addr != broker_addr:
+            if old_addr in self.live:
+                self._taken_from_live(cluster, broker_name, broker_id, old_addr, broker_addr, now_ms)
             self._forget_address(old_addr)
         prev = self.live.get(broker_addr)
         if broker_id == MASTER_ID and prev is None:
@@ -122,6 +129,34 @@ class RouteTable:
             if live is not None:
                 return RegisterResult(master, live.ha_server_addr)
         return RegisterResult()
+
+    def _taken_from_live(self, cluster: str, name: str, bid: int, old: str, new: str, now_ms: int) -> None:
+        """A registration takes ``name`` id ``bid`` from ``old``, an address still registered: a broker restarted at
+        another address (its old connection not closed yet), or two live brokers with one name and id -- a second
+        master left at the default name, two slaves given one id, another cluster's broker -- each taking it back at
+        its next registration. Routes then flipped between them every registration period, in silence (as in
+        RocketMQ 4.9.8): producers sent into two logs, consumers read and committed on either. Said (WARNING, at most
+        every CLASH_SAID_MS a name and id) once an address it was taken from within expire_ms takes it again (three
+        brokers taking it in turn too; an address taking it back later was restarted there, not said)."""
+        key = (name, bid)
+        lost, said_ms = self.taken.get(key, ({}, -(1 << 62)))
+        # A live broker registers again within expire_ms: one that lost the name and id longer ago and takes them now
+        # is a broker restarted there (a switch back), not one taking them back.
+        clash = now_ms - lost.get(new, -(1 << 62)) <= self.expire_ms
+        lost = {a: ms for a, ms in lost.items() if a != new and now_ms - ms <= self.expire_ms}
+        lost[old] = now_ms
+        self.id_clashes += clash
+        if not clash or now_ms - said_ms < CLASH_SAID_MS:   # not clash: the first take (a restart, likely)
+            self.taken[key] = (lost, said_ms)
+            return
+        self.taken[key] = (lost, now_ms)
+        log.warning("brokers %s and %s both register as %s %s id %d (%s): each takes the name and id back from the "
+                    "other at its registration, and routes flip between them -- producers send into two logs, "
+                    "consumers read and commit offsets on either. Give each broker its own --broker-name (each master "
+                    "its own; a slave its master's name and its own --broker-id), or point it at its own cluster's "
+                    "name server. %d such registrations so far; said at most every %d minutes",
+                    old, new, cluster, name, bid, "a master" if bid == MASTER_ID else "a slave", self.id_clashes,
+                    CLASH_SAID_MS // 60_000)
 
     def _replace_queues(self, broker_name: str, body: RegisterBrokerBody) -> None:
         for topic in [t for t, by_broker in self.queues.items() if broker_name in by_broker
@@ -205,6 +240,8 @@ class RouteTable:
     def _forget_broker_name(self, broker_name: str) -> None:
         self.brokers.pop(broker_name, None)
         self.write_wiped.discard(broker_name)
+        for key in [k for k in self.taken if k[0] == broker_name]:
+            del self.taken[key]
         for cluster, names in list(self.clusters.items()):
             names.discard(broker_name)
             if not names:

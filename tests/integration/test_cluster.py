@@ -58,10 +58,11 @@ def cluster(tmp_path):
                 self.start_broker(name, *broker_flags)
             return self
 
-        def start_broker(self, name: str, *flags: str) -> BrokerProcess:
-            b = BrokerProcess(tmp_path / name, *cluster_flags(self.namesrv.addr, name, PERIOD_MS), *flags)
+        def start_broker(self, name: str, *flags: str, store: str = "") -> BrokerProcess:
+            """A broker registered as ``name``, its store (and its key in ``brokers``) ``store`` or its name."""
+            b = BrokerProcess(tmp_path / (store or name), *cluster_flags(self.namesrv.addr, name, PERIOD_MS), *flags)
             started.append(b)
-            self.brokers[name] = b.start()
+            self.brokers[store or name] = b.start()
             return b
 
         def logs(self) -> str:
@@ -278,6 +279,20 @@ async def test_a_silent_broker_expires_and_comes_back_when_it_registers_again(cl
         b.proc.send_signal(signal.SIGCONT)
     # The name server closed its connection; the next registration reopens it and the queues return.
     await wait_for_route(c.namesrv.addr, "TBW102", {"broker-a", "broker-b"}, timeout=10)
+
+
+@bounded(60)
+async def test_a_second_master_left_at_the_same_broker_name_is_said_by_the_name_server(cluster):
+    """A second master started with the first's --broker-name (the default, broker-a, on a new host): the two took the
+    name from each other at every registration and the routes flipped between them, nothing said."""
+    c = cluster.start(names=("broker-a",))
+    first = c.brokers["broker-a"]
+    second = c.start_broker("broker-a", store="second")
+    while "both register as" not in c.namesrv.log():    # said once the first takes the name back (bounded)
+        await asyncio.sleep(0.1)
+    said = next(line for line in c.namesrv.log().splitlines() if "both register as" in line)
+    assert {first.broker, second.broker} == set(said.split("brokers ")[1].split(" both")[0].split(" and ")), said
+    assert "broker-a id 0 (a master)" in said and "--broker-name" in said
 
 
 def _children(pid: int) -> dict[str, int]:

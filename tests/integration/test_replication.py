@@ -240,10 +240,11 @@ async def test_sync_master_answers_flush_slave_timeout_when_the_slave_stalls(bro
     assert b"unconfirmed" in await _pull_all(slave.namesrv, mq, res.queue_offset + 1)
 
 
-def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str, master_flags=()):
+def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: str, master_flags=(),
+                              slave_ha=lambda master_ha: master_ha):
     """A stand-alone name server, a SYNC_MASTER and its SLAVE registered under broker name ``name``; each
     process goes on ``started`` as it starts (the caller kills them). The master's, then the slave's, are
-    ``master_flags`` and ``slave_flags``."""
+    ``master_flags`` and ``slave_flags``; the slave follows the HA address ``slave_ha`` gives for the master's."""
     from tests.support.broker_process import BrokerProcess
     from tests.support.cluster_process import NamesrvProcess, cluster_flags
 
@@ -253,8 +254,8 @@ def _name_server_master_slave(tmp_path, name: str, started: list, *slave_flags: 
                            "--ha-port", "0", "--ha-heartbeat-interval-ms", "500", *master_flags).start()
     started.append(master)
     slave = BrokerProcess(tmp_path / "slave", *cluster_flags(ns.addr, name, 1000), "--broker-role", "SLAVE",
-                          "--broker-id", "1", "--ha-master-addr", master.ha, "--ha-heartbeat-interval-ms", "500",
-                          *slave_flags).start()
+                          "--broker-id", "1", "--ha-master-addr", slave_ha(master.ha),
+                          "--ha-heartbeat-interval-ms", "500", *slave_flags).start()
     started.append(slave)
     return ns, master, slave
 
@@ -314,6 +315,8 @@ async def test_consumers_that_fail_over_to_the_slave_go_on_from_their_committed_
                 await consumer.commit_offset(mq, 17)            # to the master, while it is there
                 assert await consumer.fetch_offset(mq) == 17
             await _until_slave_has_offset(slave, "CG_failover", mq, 17)
+            # (its name server names the master it follows: no mismatch said)
+            assert (await asyncio.to_thread(_scrape, slave.metrics))["txmq_ha_slave_master_mismatch"] == 0
             master.kill()
             while 0 in (await route(ns.addr, TOPIC)).broker_datas[0].broker_addrs:
                 await asyncio.sleep(0.1)
@@ -829,6 +832,60 @@ async def test_a_slave_killed_while_catching_up_resumes_with_every_record_once(b
     assert [f.name for f in m_files] == [f.name for f in s_files]
     for mf, sf in zip(m_files, s_files):
         assert mf.read_bytes() == sf.read_bytes(), mf.name
+
+
+async def test_a_slave_far_behind_gauges_its_lag_from_the_masters_log_end(tmp_path):
+    """A slave copying a backlog (here held at 256 KiB of a 2 MB log by a proxy on its HA link) gauges how far it is
+    behind its master's log end. It gauged only the transfers in flight: 0 here, at most the 32 MiB queued to its
+    writer for a slave 1 GB behind."""
+    limit = 256 * 1024
+    proxy = _HoldingProxy("", limit)
+    via = await proxy.start()
+    started = []
+    try:
+        def through_proxy(master_ha):
+            proxy.target = master_ha
+            return via
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-lag", started, "--slave-sync-interval-ms",
+                                                      "200", master_flags=("--broker-role", "ASYNC_MASTER"),
+                                                      slave_ha=through_proxy)
+        async with asyncio.timeout(60):
+            async with Producer(ns.addr, "PG_lag") as producer:
+                for _ in range(40):
+                    results = await asyncio.gather(*(producer.send(TOPIC, b"z" * 1000) for _ in range(50)))
+                    assert {r.status for r in results} == {SendStatus.SEND_OK}
+            end = await _log_end(master.broker)
+            assert end > 8 * limit
+            await proxy.held.wait()
+            while (await asyncio.to_thread(_scrape, slave.metrics))["txmq_ha_slave_lag_bytes"] < end - limit:
+                await asyncio.sleep(0.1)
+    finally:
+        for p in reversed(started):
+            p.kill()
+        await proxy.close()
+
+
+async def test_a_slave_following_another_masters_log_than_its_name_server_names_says_so(tmp_path):
+    """A slave registered as broker-x whose --ha-master-addr is another cluster's master (a port mistyped, a config
+    copied from another cluster): it copied that master's log and broker-x's master's consumer offsets, topics and
+    groups, and nothing said so."""
+    from tests.support.broker_process import BrokerProcess
+
+    started = []
+    try:
+        other = BrokerProcess(tmp_path / "other", "--broker-role", "ASYNC_MASTER", "--ha-port", "0").start()
+        started.append(other)
+        ns, master, slave = _name_server_master_slave(tmp_path, "broker-x", started, "--slave-sync-interval-ms", "200",
+                                                      slave_ha=lambda _own: other.ha)
+        async with asyncio.timeout(30):
+            while (await asyncio.to_thread(_scrape, slave.metrics)).get("txmq_ha_slave_master_mismatch") != 1:
+                await asyncio.sleep(0.1)
+        said = [line for line in slave.log().splitlines() if "(--ha-master-addr), but name server" in line]
+        assert len(said) == 1 and other.ha in said[0] and master.ha in said[0] and master.broker in said[0], said
+        assert (await asyncio.to_thread(_scrape, master.metrics)).get("txmq_ha_slave_master_mismatch") is None
+    finally:
+        for p in reversed(started):
+            p.kill()
 
 
 async def test_a_stalled_link_is_dropped_with_a_log_line_that_says_why(broker_factory):

@@ -162,6 +162,70 @@ def test_unregister_and_a_restart_at_a_new_address():
     assert t.route("TopicA") is None and t.brokers == {} and t.clusters == {}
 
 
+def test_two_live_brokers_taking_one_name_and_id_from_each_other_are_said(caplog):
+    """Two masters left at one broker name (or two slaves given one id) took the id from each other at every
+    registration, the routes flipping between them, and nothing said it."""
+    t = RouteTable()
+    caplog.set_level("WARNING", logger="txmq.namesrv")
+    reg(t, "a", "h:1", T1, conn="c1")
+    reg(t, "a", "h:2", T1, conn="c2", now=1)            # a restart elsewhere looks the same so far: not said
+    assert t.id_clashes == 0 and not caplog.records
+    reg(t, "a", "h:1", T1, conn="c1", now=2)            # taken back: two brokers
+    assert t.id_clashes == 1
+    [rec] = caplog.records
+    assert "h:2 and h:1 both register as C a id 0" in rec.getMessage() and "--broker-name" in rec.getMessage()
+    for now in range(3, 10):                            # flipping on: counted, said again only after 10 minutes
+        reg(t, "a", "h:2" if now % 2 else "h:1", T1, conn="c2" if now % 2 else "c1", now=now)
+    assert t.id_clashes == 8 and len(caplog.records) == 1
+    for i, now in enumerate(range(30_000, 630_001, 30_000)):   # each registering every 30 s
+        reg(t, "a", "h:1" if i % 2 == 0 else "h:2", T1, conn="c1" if i % 2 == 0 else "c2", now=now)
+    assert len(caplog.records) == 2 and "29 such registrations" in caplog.records[1].getMessage()
+    reg(t, "a", "h:3", T1, bid=1, conn="c3")            # slaves too
+    reg(t, "a", "h:4", T1, bid=1, conn="c4")
+    reg(t, "a", "h:3", T1, bid=1, conn="c3")
+    assert "a slave" in caplog.records[-1].getMessage() and t.id_clashes == 30
+    t.expire(10 ** 9)
+    assert t.taken == {}
+
+
+def test_a_restart_at_a_new_address_before_the_old_connection_closed_is_not_said(caplog):
+    t = RouteTable()
+    caplog.set_level("WARNING", logger="txmq.namesrv")
+    reg(t, "a", "h:1", T1, conn="old")
+    reg(t, "a", "h:9", T1, conn="new")
+    reg(t, "a", "h:9", T1, conn="new", now=30_000)
+    assert t.id_clashes == 0 and not caplog.records
+    assert t.route("TopicA").broker_datas[0].broker_addrs == {0: "h:9"}
+
+
+def test_three_live_brokers_taking_one_name_in_turn_are_said(caplog):
+    """Three masters all left at the default broker name, registering in turn: each took the name from the one that
+    had just taken it from another, never back from its own taker -- and nothing was said however long it went on."""
+    t = RouteTable()
+    caplog.set_level("WARNING", logger="txmq.namesrv")
+    for now in range(0, 30):
+        reg(t, "a", f"h:{now % 3 + 1}", T1, conn=f"c{now % 3 + 1}", now=now * 10_000)
+    assert t.id_clashes == 27                            # each take from the 4th on
+    [rec] = caplog.records
+    assert "both register as C a id 0" in rec.getMessage()
+
+
+def test_a_broker_moved_back_to_the_address_it_left_long_ago_is_not_said(caplog):
+    """A master moved from h:1 to h:2 (blue/green: h:1's connection still open as h:2 registered) and, an hour later,
+    back to h:1 (h:2 still registered as h:1 registers): two restarts, no two live brokers at once -- said as a
+    clash, a false alarm at every such switch-back."""
+    t = RouteTable()
+    caplog.set_level("WARNING", logger="txmq.namesrv")
+    reg(t, "a", "h:1", T1, conn="c1")
+    reg(t, "a", "h:2", T1, conn="c2", now=1_000)
+    assert t.connection_closed("c1") == []              # h:1 stopped (no longer routed: nothing to remove)
+    for now in range(31_000, 3_600_000, 30_000):
+        reg(t, "a", "h:2", T1, conn="c2", now=now)
+    reg(t, "a", "h:1", T1, conn="c1b", now=3_600_000)
+    assert t.id_clashes == 0 and not caplog.records
+    assert t.route("TopicA").broker_datas[0].broker_addrs == {0: "h:1"}
+
+
 def _perms(table, topic):
     return {q.broker_name: q.perm for q in table.route(topic).queue_datas}
 

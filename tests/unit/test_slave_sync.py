@@ -1105,3 +1105,58 @@ async def test_a_masters_deleted_groups_that_are_not_names_copy_nothing_and_say_
     assert offsets.get("CG", "Orders", 0) is None and offsets.deleted == set()
     assert "consumer offsets not copied from master 127.0.0.1:10911" in caplog.text
     assert "its deleted groups are not a list of names" in caplog.text
+
+
+def _registered(sync, ha: str, master: str = "127.0.0.1:10911", namesrv: str = "ns") -> None:
+    """The name server's answer to this slave's registration: its master and the HA address that master registered."""
+    cmd = RemotingCommand.request(RequestCode.REGISTER_BROKER)
+    sync.on_registered(namesrv, cmd.response(ResponseCode.SUCCESS, None, {"masterAddr": master, "haServerAddr": ha}))
+
+
+@bounded(10)
+async def test_a_slave_following_its_master_by_host_name_is_no_mismatch(tmp_path, caplog):
+    """--ha-master-addr localhost:10912 and the master registering 127.0.0.1:10912 (a host name in the slave's config,
+    the master's IP registered: RocketMQ registers brokerIP2) are one master: said at ERROR as another master's log,
+    txmq_ha_slave_master_mismatch 1 and its alert firing for good on a correctly configured slave."""
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.ha_master_addr = "localhost:10912"
+    try:
+        _registered(sync, "127.0.0.1:10912")
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None and "but name server" not in caplog.text
+        _registered(sync, "127.0.0.1:10913")                # another port: another master
+        await sync.ha_checked()
+        assert sync.ha_mismatch == "127.0.0.1:10913" and caplog.text.count("but name server") == 1
+        _registered(sync, "127.0.0.1:10913")
+        await sync.ha_checked()
+        assert caplog.text.count("but name server") == 1    # said once an address
+        _registered(sync, "127.0.0.1:10912")
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None
+    finally:
+        await sync.close()
+
+
+@bounded(10)
+async def test_two_name_servers_naming_two_masters_say_the_mismatch_once_and_hold_it(tmp_path, caplog):
+    """The slave registers with every name server at once; one of them (another cluster's, listed by mistake) names
+    another master. The ERROR came again, with a WARNING that all was well, at every registration (every 30 s, for
+    good), and the one answering last set the gauge."""
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.ha_master_addr = "127.0.0.1:10912"
+    try:
+        for _ in range(5):                                  # five registration periods, both answering at once
+            _registered(sync, "127.0.0.1:10912", namesrv="ns1")
+            _registered(sync, "10.9.9.9:10912", "10.9.9.9:10911", namesrv="ns2")
+            await sync.ha_checked()
+            assert sync.ha_mismatch == "10.9.9.9:10912"
+            _registered(sync, "10.9.9.9:10912", "10.9.9.9:10911", namesrv="ns2")
+            _registered(sync, "127.0.0.1:10912", namesrv="ns1")
+            await sync.ha_checked()
+            assert sync.ha_mismatch == "10.9.9.9:10912"
+        assert caplog.text.count("but name server ns2") == 1 and "now names" not in caplog.text
+        _registered(sync, "127.0.0.1:10912", namesrv="ns2")     # that name server fixed
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None and caplog.text.count("now names") == 1
+    finally:
+        await sync.close()
