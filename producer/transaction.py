@@ -83,8 +83,32 @@ def _end_command(fields: dict[str, str], remark: str | None) -> RemotingCommand:
                            ext_fields=dict(fields))
 
 
-# A listener's answer that is no LocalTransactionState is said at most this often (with how many went unsaid)
+# A listener's answer that is no LocalTransactionState, and an ask past max_checks_at_once, are said at most this
+# often (with how many went unsaid)
 STATE_SAID_EVERY_S = 60.0
+# Checks (check_local_transaction calls) one producer runs at once by default: a stock Java producer's
+# checkRequestHoldMax (2000), past which it drops the broker's asks
+MAX_CHECKS_AT_ONCE = 2000
+
+
+class _SaidEvery:
+    """One thing said at most every STATE_SAID_EVERY_S of ``clock``: ``due()`` is None while it is to go unsaid
+    (counted), else how many went unsaid since the last said."""
+
+    __slots__ = ("clock", "said_at", "unsaid")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.said_at: float | None = None
+        self.unsaid = 0
+
+    def due(self) -> int | None:
+        now = self.clock()
+        if self.said_at is not None and now - self.said_at < STATE_SAID_EVERY_S:
+            self.unsaid += 1
+            return None
+        unsaid, self.said_at, self.unsaid = self.unsaid, now, 0
+        return unsaid
 
 
 class _EndBackoff:
@@ -119,17 +143,22 @@ class TransactionProducer(Producer):
     check cancelled past that grace may still take to end before it is given up on (a
     ``check_local_transaction`` that swallows CancelledError). Other keywords: ``Producer``, but
     ``route_forget_after_s`` is None unless given: routes are kept for good, so a broker away for hours still
-    gets the group's heartbeats once back, and checks its undecided transactions.
+    gets the group's heartbeats once back, and checks its undecided transactions. ``max_checks_at_once``: how many
+    of the broker's checks (``check_local_transaction`` calls) run at once; an ask past them is not taken
+    (``checks_refused``, said at most every minute) and the broker asks again later, as a stock Java producer drops
+    the asks past its checkRequestHoldMax (2000).
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: TransactionListener, *,
                  end_retries: int = 5, end_timeout: float = 3.0, end_probe_interval_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, shutdown_grace_s: float = 5.0,
-                 abandon_after_s: float = 5.0, **kwargs: Any):
+                 abandon_after_s: float = 5.0, max_checks_at_once: int = MAX_CHECKS_AT_ONCE, **kwargs: Any):
         if shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every check before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        if not (type(max_checks_at_once) is int and max_checks_at_once > 0):     # 0 would answer no check ever
+            raise ValueError(f"max_checks_at_once={max_checks_at_once!r}: a whole number, 1 or more")
         # Its routes kept for good (as the Java client keeps them), unless told otherwise: its heartbeats are what
         # let a broker check its undecided transactions, and a broker away past route_forget_after_s (its routes
         # forgotten, unregistered) got none once back: its half messages unchecked until dead-lettered.
@@ -160,8 +189,13 @@ class TransactionProducer(Producer):
         # listener that never returned one left every transaction to checks that never decided it either, until the
         # broker dead-lettered it: the local transaction done, its message never delivered, nothing in this log.
         self.states_not_understood = 0
-        self._state_said_at: float | None = None
-        self._states_unsaid = 0
+        self._state_said = _SaidEvery(clock)
+        # Checks in hand are bounded: each ask about another transaction started one more call, however many hung
+        # (a database down), each holding its decoded half, body and all; a broker that bounds nothing (Apache
+        # RocketMQ asks about every undecided half each interval) had the producer hold one for each of them.
+        self.max_checks_at_once = max_checks_at_once
+        self.checks_refused = 0             # asks not taken: max_checks_at_once calls were running
+        self._refused_said = _SaidEvery(clock)
         self.shutdown_grace_s = shutdown_grace_s
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
@@ -174,16 +208,12 @@ class TransactionProducer(Producer):
         if isinstance(value, LocalTransactionState):
             return value
         self.states_not_understood += 1
-        now = self._clock()
-        if self._state_said_at is not None and now - self._state_said_at < STATE_SAID_EVERY_S:
-            self._states_unsaid += 1
-        else:
+        unsaid = self._state_said.due()
+        if unsaid is not None:
             log.warning("producer %s: %s returned %.100r for %s, not a LocalTransactionState: taken as UNKNOW (the "
                         "broker checks back; a transaction no check decides is dead-lettered, its message never "
                         "delivered)%s", self.group, method, value, msg_id,
-                        f"; {self._states_unsaid} more such answer(s) since the last said" if self._states_unsaid
-                        else "")
-            self._state_said_at, self._states_unsaid = now, 0
+                        f"; {unsaid} more such answer(s) since the last said" if unsaid else "")
         return LocalTransactionState.UNKNOW
 
     # Accepted (and waited for by shutdown) as a whole, not only while its half is sent: shutdown begun during the
@@ -327,6 +357,16 @@ class TransactionProducer(Producer):
                 log.warning("producer %s: check_local_transaction of %s (half at %d on %s) still running after "
                             "%.1f s; the broker's asks again are left to it (checks_overlapped)", self.group,
                             cmd.str_field("msgId", ""), half_offset, key[0], self._clock() - began)
+            return None
+        if len(self._checking) >= self.max_checks_at_once:
+            self.checks_refused += 1
+            unsaid = self._refused_said.due()
+            if unsaid is not None:
+                log.warning("producer %s: CHECK_TRANSACTION_STATE of %s (half at %d on %s) not taken: %d "
+                            "check_local_transaction calls are running (max_checks_at_once; one that hangs?); the "
+                            "broker asks again later (checks_refused)%s", self.group, cmd.str_field("msgId", ""),
+                            half_offset, key[0], len(self._checking),
+                            f"; {unsaid} more ask(s) not taken since the last said" if unsaid else "")
             return None
         self._checking[key] = self._clock()
         task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd, key))

@@ -78,3 +78,48 @@ async def test_a_check_that_raises_is_said_in_the_producers_log(broker_factory, 
         assert await _drain(b.namesrv, "TxBuggy", expect=1, timeout=30) == [b"once"]
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "order-17" in r.getMessage()]
     assert len(said) == 1 and sent.send_result.msg_id in said[0] and "UNKNOW" in said[0]
+
+
+@bounded(90)
+async def test_checks_in_hand_are_bounded_when_the_listener_hangs(broker_factory, caplog):
+    """Every ask for another transaction started one more check_local_transaction call, however many were hung
+    (a database down): a broker that bounds nothing (Apache RocketMQ asks about every half each interval) had the
+    producer hold a task and the decoded half, body and all, for each of its undecided transactions. A stock Java
+    producer holds checkRequestHoldMax (2000) and drops the rest. At most ``max_checks_at_once`` run now; the asks
+    past it are not taken, counted (checks_refused) and said, and the broker asks about them again."""
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0",
+                       "--transaction-check-in-flight-max", "10000", "--transaction-check-max", "10000")
+    release = asyncio.Event()
+    running, most = [], 0
+
+    class Hung:
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        async def check_local_transaction(self, msg):
+            nonlocal most
+            running.append(msg.body)
+            most = max(most, len(running))
+            try:
+                await release.wait()
+            finally:
+                running.remove(msg.body)
+            return S.COMMIT_MESSAGE
+
+    sent = 12
+    async with TransactionProducer(b.namesrv, "PG_many", Hung(), max_checks_at_once=4) as producer:
+        for i in range(sent):
+            await producer.send_in_transaction("TxMany", b"m%d" % i)
+        # paced by the asks the producer received and did not take: every one past the four in hand
+        while producer.checks_refused < sent - 4:
+            await asyncio.sleep(0.02)
+        assert most == 4, f"{most} check calls ran at once, past max_checks_at_once=4"
+        said = [r.getMessage() for r in caplog.records if "max_checks_at_once" in r.getMessage()]
+        assert said and "PG_many" in said[0]
+        release.set()
+        while True:
+            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_many"})).body_bytes()
+            if not json.loads(body)["pending"]:
+                break
+            await asyncio.sleep(0.05)
+    assert sorted(await _drain(b.namesrv, "TxMany", expect=sent, timeout=30)) == sorted(b"m%d" % i for i in range(sent))
