@@ -197,6 +197,10 @@ class TransactionProducer(Producer):
         self.checks_refused = 0             # asks not taken: max_checks_at_once calls were running
         self._refused_said = _SaidEvery(clock)
         self.shutdown_grace_s = shutdown_grace_s
+        # Sends in transaction are waited for by shutdown as long as checks are: an execute_local_transaction that
+        # hung (a database down) held shutdown, and the application's exit, for ever, nothing said
+        self._sends_grace_s = shutdown_grace_s
+        self._local_running = 0             # execute_local_transaction calls running
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
         self.abandon_after_s = abandon_after_s
@@ -240,6 +244,7 @@ class TransactionProducer(Producer):
             remark = None
         else:
             remark = None
+            self._local_running += 1
             try:
                 state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
                                     "execute_local_transaction", result.msg_id)
@@ -247,6 +252,8 @@ class TransactionProducer(Producer):
                 log.warning("local transaction of %s raised: %s", result.msg_id, exc)
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
+            finally:
+                self._local_running -= 1
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
@@ -292,6 +299,11 @@ class TransactionProducer(Producer):
             try:
                 conn = self.pool.cached(addr) or await self.pool.get(addr)
             except (RequestTimeoutError, ConnectionClosedError):
+                if self.pool.closed:    # retried, it was refused as many times, the same way
+                    log.warning("END_TRANSACTION (%s) for %s not sent: producer %s was shut down meanwhile; the "
+                                "broker will check back (with another producer of the group running to answer)",
+                                state.name, msg_id, self.group)
+                    return False
                 # connecting failed or timed out: no END reached the broker, so this says nothing about
                 # whether it acknowledges one
                 await backoff.pause(attempt, self.end_retries)
@@ -413,12 +425,20 @@ class TransactionProducer(Producer):
         except Exception as exc:  # noqa: BLE001 - the broker will ask again
             log.info("answer to check of %s failed: %s", msg_id, exc)
 
+    def _sends_outlived_grace(self) -> None:
+        log.warning("producer %s: %d send(s) in transaction still running after %g s (shutdown_grace_s), %d in "
+                    "their local transaction (execute_local_transaction hung?): shutdown goes on without them; "
+                    "their ENDs will not be sent, the broker checks back with the group's other producers",
+                    self.group, self._sending, self._sends_grace_s, self._local_running)
+
     async def shutdown(self) -> None:
         """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as
         ``Producer.shutdown``: a check answered meanwhile reaches the broker over a connection still open.
         A check still running after the grace period is cancelled; its transaction is asked about again.
         One that ignores its cancel for ``abandon_after_s`` more is given up on, with an error logged: shutdown
-        completes without it, and when it ends at last it sends no answer."""
+        completes without it, and when it ends at last it sends no answer. ``send_in_transaction`` calls begun
+        before are waited for up to ``shutdown_grace_s`` as well (a local transaction that hangs is said, and
+        left running: its END is not sent, and the broker checks back)."""
         self._stopping = True
         running = set(self._check_tasks)
         late = await finish_within(running, self.shutdown_grace_s)
