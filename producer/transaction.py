@@ -200,7 +200,11 @@ class TransactionProducer(Producer):
         # Sends in transaction are waited for by shutdown as long as checks are: an execute_local_transaction that
         # hung (a database down) held shutdown, and the application's exit, for ever, nothing said
         self._sends_grace_s = shutdown_grace_s
-        self._local_running = 0             # execute_local_transaction calls running
+        # The transactions whose execute_local_transaction runs here, by msgId (UNIQ_KEY, as the broker's asks name
+        # them): -> clock() when it began. A check about one is not run (see _on_request).
+        self._local: dict[str, float] = {}
+        self.checks_during_local = 0        # asks about a transaction whose local transaction was still running
+        self._during_local_said = _SaidEvery(clock)
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
         self.abandon_after_s = abandon_after_s
@@ -244,7 +248,7 @@ class TransactionProducer(Producer):
             remark = None
         else:
             remark = None
-            self._local_running += 1
+            self._local[result.msg_id] = self._clock()
             try:
                 state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
                                     "execute_local_transaction", result.msg_id)
@@ -253,7 +257,7 @@ class TransactionProducer(Producer):
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
             finally:
-                self._local_running -= 1
+                self._local.pop(result.msg_id, None)
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
@@ -358,7 +362,24 @@ class TransactionProducer(Producer):
             log.info("CHECK_TRANSACTION_STATE not taken: producer %s is shutting down", self.group)
             return None
         half_offset = cmd.int_field("commitLogOffset", 0)
-        key = (f"{conn.peer[0]}:{conn.peer[1]}", cmd.str_field("msgId", "") or half_offset)
+        msg_id = cmd.str_field("msgId", "")
+        began = self._local.get(msg_id) if msg_id else None
+        if began is not None:
+            # Its local transaction runs here still (longer than the broker's immunity): asked now, a check that
+            # looks the outcome up finds none yet, and one answering ROLLBACK for that (the usual "no order, no
+            # message") had the broker roll back a transaction whose local part then committed: the message never
+            # delivered, the END refused TRANSACTION_FAILED. Left to the END; the broker asks again if none comes.
+            self.checks_during_local += 1
+            unsaid = self._during_local_said.due()
+            if unsaid is not None:
+                log.warning("producer %s: the broker asks about %s while its local transaction still runs here "
+                            "(%.1f s, past the broker's check immunity): not asked of check_local_transaction, the "
+                            "END decides it (checks_during_local; a longer CHECK_IMMUNITY_TIME_IN_SECONDS on the "
+                            "half, or broker transaction_timeout_ms, avoids the ask)%s", self.group, msg_id,
+                            self._clock() - began,
+                            f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
+            return None
+        key = (f"{conn.peer[0]}:{conn.peer[1]}", msg_id or half_offset)
         began = self._checking.get(key)
         if began is not None:
             # left to the call in hand, which answers it; the first ask so is said, the rest only counted
@@ -429,7 +450,7 @@ class TransactionProducer(Producer):
         log.warning("producer %s: %d send(s) in transaction still running after %g s (shutdown_grace_s), %d in "
                     "their local transaction (execute_local_transaction hung?): shutdown goes on without them; "
                     "their ENDs will not be sent, the broker checks back with the group's other producers",
-                    self.group, self._sending, self._sends_grace_s, self._local_running)
+                    self.group, self._sending, self._sends_grace_s, len(self._local))
 
     async def shutdown(self) -> None:
         """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as

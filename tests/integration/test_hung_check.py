@@ -123,3 +123,44 @@ async def test_checks_in_hand_are_bounded_when_the_listener_hangs(broker_factory
                 break
             await asyncio.sleep(0.05)
     assert sorted(await _drain(b.namesrv, "TxMany", expect=sent, timeout=30)) == sorted(b"m%d" % i for i in range(sent))
+
+
+@bounded(60)
+async def test_a_check_during_its_own_local_transaction_does_not_decide_it(broker_factory, caplog):
+    """A local transaction still running when the broker's immunity passed (a database slow under load) had its
+    check run beside it: a check that looks the outcome up found none yet, and the usual answer for that
+    (ROLLBACK: no order, no message) had the broker roll the transaction back while its local part went on to
+    commit. The END was refused TRANSACTION_FAILED and the message never delivered, the order made. The ask is
+    now left to the END of the local transaction running in this producer (counted, said)."""
+    b = broker_factory("--transaction-check-interval-ms", "100", "--transaction-timeout-ms", "0")
+    entered, release = asyncio.Event(), asyncio.Event()
+    orders, checked = set(), []
+
+    class Orders:
+        async def execute_local_transaction(self, msg, arg):
+            entered.set()
+            await release.wait()        # the database slow
+            orders.add(msg.body)
+            return S.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            checked.append(msg.body)
+            return S.COMMIT_MESSAGE if msg.body in orders else S.ROLLBACK_MESSAGE
+
+    async with TransactionProducer(b.namesrv, "PG_slow_local", Orders()) as producer:
+        sending = asyncio.get_running_loop().create_task(producer.send_in_transaction("TxSlowLocal", b"order-1"))
+        await entered.wait()
+        # paced by the broker's asks: two while the local transaction runs (or none pending: decided already)
+        while True:
+            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_slow_local"})).body_bytes()
+            pending = json.loads(body)["pending"]
+            if not pending or pending[0]["checks"] >= 2:
+                break
+            await asyncio.sleep(0.05)
+        release.set()
+        result = await sending
+        assert result.state is S.COMMIT_MESSAGE and result.acknowledged
+        assert checked == [] and producer.checks_during_local >= 2
+    said = [r.getMessage() for r in caplog.records if "checks_during_local" in r.getMessage()]
+    assert len(said) == 1 and result.send_result.msg_id in said[0] and "PG_slow_local" in said[0]
+    assert await _drain(b.namesrv, "TxSlowLocal", expect=1) == [b"order-1"]
