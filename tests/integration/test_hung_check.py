@@ -17,6 +17,17 @@ from tests.support.bounded import bounded
 pytestmark = pytest.mark.asyncio
 
 
+async def _pending(b, group: str) -> list[dict]:
+    """The broker's undecided transactions of ``group``."""
+    body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": group})).body_bytes()
+    return json.loads(body)["pending"]
+
+
+async def _until_decided(b, group: str) -> None:
+    while await _pending(b, group):
+        await asyncio.sleep(0.05)
+
+
 @bounded(60)
 async def test_a_check_still_running_is_not_started_again_when_the_broker_asks_again(broker_factory, caplog):
     """Each ask started another call beside the hung one, with nothing said: one task more per transaction each
@@ -46,11 +57,7 @@ async def test_a_check_still_running_is_not_started_again_when_the_broker_asks_a
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "still running" in r.getMessage()]
         assert len(warned) == 1 and "PG_hung" in warned[0].getMessage()
         release.set()
-        while True:
-            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_hung"})).body_bytes()
-            if not json.loads(body)["pending"]:
-                break
-            await asyncio.sleep(0.05)
+        await _until_decided(b, "PG_hung")
         assert len(calls) >= 2
     assert await _drain(b.namesrv, "TxHung", expect=1) == [b"once"]
 
@@ -117,11 +124,7 @@ async def test_checks_in_hand_are_bounded_when_the_listener_hangs(broker_factory
         said = [r.getMessage() for r in caplog.records if "max_checks_at_once" in r.getMessage()]
         assert said and "PG_many" in said[0]
         release.set()
-        while True:
-            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_many"})).body_bytes()
-            if not json.loads(body)["pending"]:
-                break
-            await asyncio.sleep(0.05)
+        await _until_decided(b, "PG_many")
     assert sorted(await _drain(b.namesrv, "TxMany", expect=sent, timeout=30)) == sorted(b"m%d" % i for i in range(sent))
 
 
@@ -151,11 +154,7 @@ async def test_a_check_during_its_own_local_transaction_does_not_decide_it(broke
         sending = asyncio.get_running_loop().create_task(producer.send_in_transaction("TxSlowLocal", b"order-1"))
         await entered.wait()
         # paced by the broker's asks: two while the local transaction runs (or none pending: decided already)
-        while True:
-            body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_slow_local"})).body_bytes()
-            pending = json.loads(body)["pending"]
-            if not pending or pending[0]["checks"] >= 2:
-                break
+        while (pending := await _pending(b, "PG_slow_local")) and pending[0]["checks"] < 2:
             await asyncio.sleep(0.05)
         release.set()
         result = await sending
