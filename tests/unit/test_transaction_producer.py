@@ -618,3 +618,11 @@ async def test_a_check_answer_that_is_no_state_is_said_and_counted_too(caplog):
     assert len(said) == 1 and "check_local_transaction returned None for M1" in said[0], said
     assert sorted((e.ext_fields.get("msgId"), e.ext_fields.get("commitOrRollback")) for e in fake.ends) == [
         ("M1", "0"), ("M2", "0")]       # UNKNOW (TRANSACTION_NOT_TYPE)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, None])
+async def test_max_checks_at_once_must_be_a_whole_number_of_1_or_more(bad):
+    """0 would take no check ever (every transaction of the producer left to dead-lettering), a float or None
+    compared oddly with the count in hand: refused at construction, naming the value."""
+    with pytest.raises(ValueError, match=f"max_checks_at_once={bad!r}"):
+        TransactionProducer("127.0.0.1:1", "PG", Commit(), max_checks_at_once=bad)
