@@ -362,24 +362,7 @@ class TransactionProducer(Producer):
             log.info("CHECK_TRANSACTION_STATE not taken: producer %s is shutting down", self.group)
             return None
         half_offset = cmd.int_field("commitLogOffset", 0)
-        msg_id = cmd.str_field("msgId", "")
-        began = self._local.get(msg_id) if msg_id else None
-        if began is not None:
-            # Its local transaction runs here still (longer than the broker's immunity): asked now, a check that
-            # looks the outcome up finds none yet, and one answering ROLLBACK for that (the usual "no order, no
-            # message") had the broker roll back a transaction whose local part then committed: the message never
-            # delivered, the END refused TRANSACTION_FAILED. Left to the END; the broker asks again if none comes.
-            self.checks_during_local += 1
-            unsaid = self._during_local_said.due()
-            if unsaid is not None:
-                log.warning("producer %s: the broker asks about %s while its local transaction still runs here "
-                            "(%.1f s, past the broker's check immunity): not asked of check_local_transaction, the "
-                            "END decides it (checks_during_local; a longer CHECK_IMMUNITY_TIME_IN_SECONDS on the "
-                            "half, or broker transaction_timeout_ms, avoids the ask)%s", self.group, msg_id,
-                            self._clock() - began,
-                            f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
-            return None
-        key = (f"{conn.peer[0]}:{conn.peer[1]}", msg_id or half_offset)
+        key = (f"{conn.peer[0]}:{conn.peer[1]}", cmd.str_field("msgId", "") or half_offset)
         began = self._checking.get(key)
         if began is not None:
             # left to the call in hand, which answers it; the first ask so is said, the rest only counted
@@ -424,9 +407,13 @@ class TransactionProducer(Producer):
             return
         remark = None
         msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
+        began = self._local.get(msg_id)
         try:
-            state = self._state(await _call(self.listener.check_local_transaction, msg), "check_local_transaction",
-                                msg_id)
+            if began is not None:
+                state, remark = LocalTransactionState.UNKNOW, self._asked_during_local(msg_id, began)
+            else:
+                state = self._state(await _call(self.listener.check_local_transaction, msg),
+                                    "check_local_transaction", msg_id)
         except Exception as exc:  # noqa: BLE001 - an exception is UNKNOW, as in the Java client
             # said here as the local transaction's is: in the broker's remark alone, a bug answered UNKNOW at
             # every ask until the transaction was dead-lettered, nothing in this producer's log
@@ -445,6 +432,22 @@ class TransactionProducer(Producer):
                             msg_id, state, True, remark)
         except Exception as exc:  # noqa: BLE001 - the broker will ask again
             log.info("answer to check of %s failed: %s", msg_id, exc)
+
+    def _asked_during_local(self, msg_id: str, began: float) -> str:
+        """A check about ``msg_id``, whose local transaction (begun at ``began``) runs here still, past the broker's
+        immunity: answered UNKNOW without asking check_local_transaction, counted and said; the remark sent. Asked,
+        a check that looks the outcome up found none yet, and the usual answer for that (ROLLBACK: no order, no
+        message) had the broker roll back a transaction whose local part then committed: the message never
+        delivered, the END refused TRANSACTION_FAILED. The END decides it; the broker asks again if none comes."""
+        self.checks_during_local += 1
+        unsaid = self._during_local_said.due()
+        if unsaid is not None:
+            log.warning("producer %s: the broker asks about %s while its local transaction still runs here (%.1f s, "
+                        "past the broker's check immunity): answered UNKNOW without check_local_transaction, the END "
+                        "decides it (checks_during_local; a longer CHECK_IMMUNITY_TIME_IN_SECONDS on the half, or "
+                        "the broker's transaction_timeout_ms, avoids the ask)%s", self.group, msg_id,
+                        self._clock() - began, f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
+        return "the local transaction is still running in the producer"
 
     def _sends_outlived_grace(self) -> None:
         log.warning("producer %s: %d send(s) in transaction still running after %g s (shutdown_grace_s), %d in "
