@@ -148,6 +148,9 @@ def _accepted(method):
             self._sending -= 1
             if not self._sending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
+            if self._sends_moved is not None:
+                self._sends_moved.set_result(None)
+                self._sends_moved = None
     return counted
 
 
@@ -213,10 +216,8 @@ class Producer:
         self._stopping = False
         self._sending = 0                                   # sends accepted (see _accepted) and not returned yet
         self._idle: asyncio.Future | None = None            # shutdown's wait for _sending to reach 0
-        # How long shutdown waits for them (None: until they end, each bounded by send_timeout); past it,
-        # _sends_outlived_grace says so and shutdown goes on (a TransactionProducer's run the caller's local
-        # transaction, bounded by nothing of ours)
-        self._sends_grace_s: float | None = None
+        # Resolved (and dropped) when a send ends, for a TransactionProducer's shutdown: see _wait_for_sends
+        self._sends_moved: asyncio.Future | None = None
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
         self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
@@ -257,10 +258,7 @@ class Producer:
         if self._sending:       # accepted before, not yet a request in flight (its route being looked up)
             if self._idle is None or self._idle.done():     # a second shutdown meanwhile waits for the same
                 self._idle = asyncio.get_running_loop().create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._idle), self._sends_grace_s)
-            except TimeoutError:
-                self._sends_outlived_grace()
+            await self._wait_for_sends(self._idle)
         await self.pool.settle(self.send_timeout)
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
@@ -274,9 +272,9 @@ class Producer:
                 pass
         await self.pool.close()
 
-    def _sends_outlived_grace(self) -> None:
-        log.warning("producer %s: %d send(s) still running after %g s: shutdown goes on without them", self.group,
-                    self._sending, self._sends_grace_s)
+    async def _wait_for_sends(self, idle: asyncio.Future) -> None:
+        """shutdown's wait for the sends accepted before it: until ``idle`` (each is bounded by send_timeout)."""
+        await asyncio.shield(idle)
 
     def _heartbeat_body(self) -> bytes:
         return json.dumps({"clientID": self.client_id, "consumerDataSet": [],
@@ -407,6 +405,9 @@ class Producer:
             self._sending -= 1
             if not self._sending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
+            if self._sends_moved is not None:
+                self._sends_moved.set_result(None)
+                self._sends_moved = None
 
     @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,

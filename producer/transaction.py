@@ -197,9 +197,6 @@ class TransactionProducer(Producer):
         self.checks_refused = 0             # asks not taken: max_checks_at_once calls were running
         self._refused_said = _SaidEvery(clock)
         self.shutdown_grace_s = shutdown_grace_s
-        # Sends in transaction are waited for by shutdown as long as checks are: an execute_local_transaction that
-        # hung (a database down) held shutdown, and the application's exit, for ever, nothing said
-        self._sends_grace_s = shutdown_grace_s
         # The transactions whose execute_local_transaction runs here, by msgId (UNIQ_KEY, as the broker's asks name
         # them): -> clock() when it began. A check about one is not run (see _on_request).
         self._local: dict[str, float] = {}
@@ -249,6 +246,7 @@ class TransactionProducer(Producer):
         else:
             remark = None
             self._local[result.msg_id] = self._clock()
+            self._sends_moved_on()
             try:
                 state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
                                     "execute_local_transaction", result.msg_id)
@@ -454,11 +452,32 @@ class TransactionProducer(Producer):
                         self._clock() - began, f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
         return "the local transaction is still running in the producer"
 
-    def _sends_outlived_grace(self) -> None:
-        log.warning("producer %s: %d send(s) in transaction still running after %g s (shutdown_grace_s), %d in "
-                    "their local transaction (execute_local_transaction hung?): shutdown goes on without them; "
-                    "their ENDs will not be sent, the broker checks back with the group's other producers",
-                    self.group, self._sending, self._sends_grace_s, len(self._local))
+    def _sends_moved_on(self) -> None:
+        """A send entered its local transaction: shutdown's wait past the grace may be over (_wait_for_sends)."""
+        if self._sends_moved is not None:
+            self._sends_moved.set_result(None)
+            self._sends_moved = None
+
+    async def _wait_for_sends(self, idle: asyncio.Future) -> None:
+        """Sends in transaction are waited for by shutdown as long as checks are, ``shutdown_grace_s``, while one is
+        in its local transaction: an execute_local_transaction that hung (a database down) held shutdown, and the
+        application's exit, for ever, nothing said. Past the grace, the sends in their half or their END (each
+        bounded by send_timeout, end_retries) are waited for still: bounding them too, a shutdown with
+        ``shutdown_grace_s=0`` between two attempts of an END refused for now closed the pool under it, the
+        transaction committed locally and left undecided."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_grace_s
+        while not idle.done():
+            left = deadline - loop.time()
+            if left <= 0 and self._sending <= len(self._local):
+                log.warning("producer %s: %d send(s) in transaction still in their local transaction after %g s "
+                            "(shutdown_grace_s; execute_local_transaction hung?): shutdown goes on without them; "
+                            "their ENDs will not be sent, the broker checks back with the group's other producers",
+                            self.group, self._sending, self.shutdown_grace_s)
+                return
+            if self._sends_moved is None:
+                self._sends_moved = loop.create_future()
+            await asyncio.wait([idle, self._sends_moved], timeout=left if left > 0 else None)
 
     async def shutdown(self) -> None:
         """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as

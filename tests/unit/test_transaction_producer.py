@@ -676,3 +676,28 @@ async def test_an_ask_about_a_local_transaction_running_here_is_answered_past_ma
     assert [(e.ext_fields["msgId"], e.ext_fields["commitOrRollback"], e.ext_fields["fromTransactionCheck"])
             for e in fake.ends] == [("L", "0", "true"), ("L", "8", "false")]     # UNKNOW answered, then COMMIT
     assert result.acknowledged
+
+
+async def test_shutdown_grace_bounds_only_a_local_transaction_not_an_end_being_retried():
+    """shutdown_grace_s bounds the wait for a local transaction that hangs; an END refused for now (SYSTEM_BUSY)
+    and being retried is bounded by end_retries already. With shutdown_grace_s=0 (checks cancelled at once), a
+    shutdown begun between two END attempts closed the pool under the END: the transaction, committed locally and
+    begun before shutdown, was left undecided (acknowledged False), where it was sent and acknowledged before
+    the grace bounded the sends. It is waited for."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    fake.refuse_end = [ResponseCode.SYSTEM_BUSY]
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    producer = TransactionProducer(fake.addr, "PG", Commit(), shutdown_grace_s=0)
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            sending = asyncio.get_running_loop().create_task(producer.send_in_transaction("T", b"one"))
+            await fake.got_end.wait()           # the first END refused: the next after a pause
+            await producer.shutdown()
+            result = await sending
+    finally:
+        server.close()
+    assert result.acknowledged and result.state is S.COMMIT_MESSAGE, "the END was cut off by shutdown"
+    assert [e.ext_fields["commitOrRollback"] for e in fake.ends] == ["8", "8"]
