@@ -148,6 +148,9 @@ def _accepted(method):
             self._sending -= 1
             if not self._sending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
+            if self._sends_moved is not None:
+                self._sends_moved.set_result(None)
+                self._sends_moved = None
     return counted
 
 
@@ -213,6 +216,8 @@ class Producer:
         self._stopping = False
         self._sending = 0                                   # sends accepted (see _accepted) and not returned yet
         self._idle: asyncio.Future | None = None            # shutdown's wait for _sending to reach 0
+        # Resolved (and dropped) when a send ends, for a TransactionProducer's shutdown: see _wait_for_sends
+        self._sends_moved: asyncio.Future | None = None
         self._accumulator = Accumulator(self, linger_ms, batch_size, max_batch_bytes) if batch_size > 1 else None
         self._templates: dict[tuple, _SendTemplate] = {}     # (code, topic, queue id, sys_flag, flag, batch)
         self._unreachable: dict[str, tuple[str, float]] = {}   # broker name -> (its address, passed over until)
@@ -253,7 +258,7 @@ class Producer:
         if self._sending:       # accepted before, not yet a request in flight (its route being looked up)
             if self._idle is None or self._idle.done():     # a second shutdown meanwhile waits for the same
                 self._idle = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._idle)
+            await self._wait_for_sends(self._idle)
         await self.pool.settle(self.send_timeout)
         for task in (self._heartbeat_task, self._route_task):
             if task is not None:
@@ -266,6 +271,10 @@ class Producer:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         await self.pool.close()
+
+    async def _wait_for_sends(self, idle: asyncio.Future) -> None:
+        """shutdown's wait for the sends accepted before it: until ``idle`` (each is bounded by send_timeout)."""
+        await asyncio.shield(idle)
 
     def _heartbeat_body(self) -> bytes:
         return json.dumps({"clientID": self.client_id, "consumerDataSet": [],
@@ -396,6 +405,9 @@ class Producer:
             self._sending -= 1
             if not self._sending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
+            if self._sends_moved is not None:
+                self._sends_moved.set_result(None)
+                self._sends_moved = None
 
     @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,

@@ -83,8 +83,32 @@ def _end_command(fields: dict[str, str], remark: str | None) -> RemotingCommand:
                            ext_fields=dict(fields))
 
 
-# A listener's answer that is no LocalTransactionState is said at most this often (with how many went unsaid)
+# A listener's answer that is no LocalTransactionState, and an ask past max_checks_at_once, are said at most this
+# often (with how many went unsaid)
 STATE_SAID_EVERY_S = 60.0
+# Checks (check_local_transaction calls) one producer runs at once by default: a stock Java producer's
+# checkRequestHoldMax (2000), past which it drops the broker's asks
+MAX_CHECKS_AT_ONCE = 2000
+
+
+class _SaidEvery:
+    """One thing said at most every STATE_SAID_EVERY_S of ``clock``: ``due()`` is None while it is to go unsaid
+    (counted), else how many went unsaid since the last said."""
+
+    __slots__ = ("clock", "said_at", "unsaid")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.said_at: float | None = None
+        self.unsaid = 0
+
+    def due(self) -> int | None:
+        now = self.clock()
+        if self.said_at is not None and now - self.said_at < STATE_SAID_EVERY_S:
+            self.unsaid += 1
+            return None
+        unsaid, self.said_at, self.unsaid = self.unsaid, now, 0
+        return unsaid
 
 
 class _EndBackoff:
@@ -119,17 +143,22 @@ class TransactionProducer(Producer):
     check cancelled past that grace may still take to end before it is given up on (a
     ``check_local_transaction`` that swallows CancelledError). Other keywords: ``Producer``, but
     ``route_forget_after_s`` is None unless given: routes are kept for good, so a broker away for hours still
-    gets the group's heartbeats once back, and checks its undecided transactions.
+    gets the group's heartbeats once back, and checks its undecided transactions. ``max_checks_at_once``: how many
+    of the broker's checks (``check_local_transaction`` calls) run at once; an ask past them is not taken
+    (``checks_refused``, said at most every minute) and the broker asks again later, as a stock Java producer drops
+    the asks past its checkRequestHoldMax (2000).
     """
 
     def __init__(self, namesrv_addr: str, group: str, listener: TransactionListener, *,
                  end_retries: int = 5, end_timeout: float = 3.0, end_probe_interval_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, shutdown_grace_s: float = 5.0,
-                 abandon_after_s: float = 5.0, **kwargs: Any):
+                 abandon_after_s: float = 5.0, max_checks_at_once: int = MAX_CHECKS_AT_ONCE, **kwargs: Any):
         if shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r}: 0 or more seconds")
         if not abandon_after_s > 0:     # 0 would give up on every check before its cancel was even delivered
             raise ValueError(f"abandon_after_s={abandon_after_s!r}: more than 0 seconds")
+        if not (type(max_checks_at_once) is int and max_checks_at_once > 0):     # 0 would answer no check ever
+            raise ValueError(f"max_checks_at_once={max_checks_at_once!r}: a whole number, 1 or more")
         # Its routes kept for good (as the Java client keeps them), unless told otherwise: its heartbeats are what
         # let a broker check its undecided transactions, and a broker away past route_forget_after_s (its routes
         # forgotten, unregistered) got none once back: its half messages unchecked until dead-lettered.
@@ -160,9 +189,19 @@ class TransactionProducer(Producer):
         # listener that never returned one left every transaction to checks that never decided it either, until the
         # broker dead-lettered it: the local transaction done, its message never delivered, nothing in this log.
         self.states_not_understood = 0
-        self._state_said_at: float | None = None
-        self._states_unsaid = 0
+        self._state_said = _SaidEvery(clock)
+        # Checks in hand are bounded: each ask about another transaction started one more call, however many hung
+        # (a database down), each holding its decoded half, body and all; a broker that bounds nothing (Apache
+        # RocketMQ asks about every undecided half each interval) had the producer hold one for each of them.
+        self.max_checks_at_once = max_checks_at_once
+        self.checks_refused = 0             # asks not taken: max_checks_at_once calls were running
+        self._refused_said = _SaidEvery(clock)
         self.shutdown_grace_s = shutdown_grace_s
+        # The transactions whose execute_local_transaction runs here, by msgId (UNIQ_KEY, as the broker's asks name
+        # them): -> clock() when it began. A check about one is not run (see _on_request).
+        self._local: dict[str, float] = {}
+        self.checks_during_local = 0        # asks about a transaction whose local transaction was still running
+        self._during_local_said = _SaidEvery(clock)
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
         # went on) is given up on: waited for, it held shutdown for ever. Its transaction is asked about again.
         self.abandon_after_s = abandon_after_s
@@ -174,16 +213,12 @@ class TransactionProducer(Producer):
         if isinstance(value, LocalTransactionState):
             return value
         self.states_not_understood += 1
-        now = self._clock()
-        if self._state_said_at is not None and now - self._state_said_at < STATE_SAID_EVERY_S:
-            self._states_unsaid += 1
-        else:
+        unsaid = self._state_said.due()
+        if unsaid is not None:
             log.warning("producer %s: %s returned %.100r for %s, not a LocalTransactionState: taken as UNKNOW (the "
                         "broker checks back; a transaction no check decides is dead-lettered, its message never "
                         "delivered)%s", self.group, method, value, msg_id,
-                        f"; {self._states_unsaid} more such answer(s) since the last said" if self._states_unsaid
-                        else "")
-            self._state_said_at, self._states_unsaid = now, 0
+                        f"; {unsaid} more such answer(s) since the last said" if unsaid else "")
         return LocalTransactionState.UNKNOW
 
     # Accepted (and waited for by shutdown) as a whole, not only while its half is sent: shutdown begun during the
@@ -210,6 +245,8 @@ class TransactionProducer(Producer):
             remark = None
         else:
             remark = None
+            self._local[result.msg_id] = self._clock()
+            self._sends_moved_on()
             try:
                 state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
                                     "execute_local_transaction", result.msg_id)
@@ -217,6 +254,8 @@ class TransactionProducer(Producer):
                 log.warning("local transaction of %s raised: %s", result.msg_id, exc)
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
+            finally:
+                self._local.pop(result.msg_id, None)
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
@@ -262,6 +301,11 @@ class TransactionProducer(Producer):
             try:
                 conn = self.pool.cached(addr) or await self.pool.get(addr)
             except (RequestTimeoutError, ConnectionClosedError):
+                if self.pool.closed:    # retried, it was refused as many times, the same way
+                    log.warning("END_TRANSACTION (%s) for %s not sent: producer %s was shut down meanwhile; the "
+                                "broker will check back (with another producer of the group running to answer)",
+                                state.name, msg_id, self.group)
+                    return False
                 # connecting failed or timed out: no END reached the broker, so this says nothing about
                 # whether it acknowledges one
                 await backoff.pause(attempt, self.end_retries)
@@ -328,6 +372,21 @@ class TransactionProducer(Producer):
                             "%.1f s; the broker's asks again are left to it (checks_overlapped)", self.group,
                             cmd.str_field("msgId", ""), half_offset, key[0], self._clock() - began)
             return None
+        # An ask about a transaction whose local transaction runs here is answered at once, without the listener
+        # (_asked_during_local): taken past the cap. Refused, it went unanswered, the broker took this producer for
+        # silent and asked another of the group, whose listener (no outcome recorded yet) answered ROLLBACK; the
+        # local transaction then committed, its END refused TRANSACTION_FAILED. (msgId: the half's UNIQ_KEY, as
+        # txmq's and Apache RocketMQ's asks name it.)
+        if len(self._checking) >= self.max_checks_at_once and cmd.str_field("msgId", "") not in self._local:
+            self.checks_refused += 1
+            unsaid = self._refused_said.due()
+            if unsaid is not None:
+                log.warning("producer %s: CHECK_TRANSACTION_STATE of %s (half at %d on %s) not taken: %d "
+                            "check_local_transaction calls are running (max_checks_at_once; one that hangs?); the "
+                            "broker asks again later (checks_refused)%s", self.group, cmd.str_field("msgId", ""),
+                            half_offset, key[0], len(self._checking),
+                            f"; {unsaid} more ask(s) not taken since the last said" if unsaid else "")
+            return None
         self._checking[key] = self._clock()
         task = asyncio.get_running_loop().create_task(self._answer_check(conn, cmd, key))
         self._check_tasks.add(task)
@@ -351,9 +410,13 @@ class TransactionProducer(Producer):
             return
         remark = None
         msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
+        began = self._local.get(msg_id)
         try:
-            state = self._state(await _call(self.listener.check_local_transaction, msg), "check_local_transaction",
-                                msg_id)
+            if began is not None:
+                state, remark = LocalTransactionState.UNKNOW, self._asked_during_local(msg_id, began)
+            else:
+                state = self._state(await _call(self.listener.check_local_transaction, msg),
+                                    "check_local_transaction", msg_id)
         except Exception as exc:  # noqa: BLE001 - an exception is UNKNOW, as in the Java client
             # said here as the local transaction's is: in the broker's remark alone, a bug answered UNKNOW at
             # every ask until the transaction was dead-lettered, nothing in this producer's log
@@ -373,12 +436,57 @@ class TransactionProducer(Producer):
         except Exception as exc:  # noqa: BLE001 - the broker will ask again
             log.info("answer to check of %s failed: %s", msg_id, exc)
 
+    def _asked_during_local(self, msg_id: str, began: float) -> str:
+        """A check about ``msg_id``, whose local transaction (begun at ``began``) runs here still, past the broker's
+        immunity: answered UNKNOW without asking check_local_transaction, counted and said; the remark sent. Asked,
+        a check that looks the outcome up found none yet, and the usual answer for that (ROLLBACK: no order, no
+        message) had the broker roll back a transaction whose local part then committed: the message never
+        delivered, the END refused TRANSACTION_FAILED. The END decides it; the broker asks again if none comes."""
+        self.checks_during_local += 1
+        unsaid = self._during_local_said.due()
+        if unsaid is not None:
+            log.warning("producer %s: the broker asks about %s while its local transaction still runs here (%.1f s, "
+                        "past the broker's check immunity): answered UNKNOW without check_local_transaction, the END "
+                        "decides it (checks_during_local; a longer CHECK_IMMUNITY_TIME_IN_SECONDS on the half, or "
+                        "the broker's transaction_timeout_ms, avoids the ask)%s", self.group, msg_id,
+                        self._clock() - began, f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
+        return "the local transaction is still running in the producer"
+
+    def _sends_moved_on(self) -> None:
+        """A send entered its local transaction: shutdown's wait past the grace may be over (_wait_for_sends)."""
+        if self._sends_moved is not None:
+            self._sends_moved.set_result(None)
+            self._sends_moved = None
+
+    async def _wait_for_sends(self, idle: asyncio.Future) -> None:
+        """Sends in transaction are waited for by shutdown as long as checks are, ``shutdown_grace_s``, while one is
+        in its local transaction: an execute_local_transaction that hung (a database down) held shutdown, and the
+        application's exit, for ever, nothing said. Past the grace, the sends in their half or their END (each
+        bounded by send_timeout, end_retries) are waited for still: bounding them too, a shutdown with
+        ``shutdown_grace_s=0`` between two attempts of an END refused for now closed the pool under it, the
+        transaction committed locally and left undecided."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_grace_s
+        while not idle.done():
+            left = deadline - loop.time()
+            if left <= 0 and self._sending <= len(self._local):
+                log.warning("producer %s: %d send(s) in transaction still in their local transaction after %g s "
+                            "(shutdown_grace_s; execute_local_transaction hung?): shutdown goes on without them; "
+                            "their ENDs will not be sent, the broker checks back with the group's other producers",
+                            self.group, self._sending, self.shutdown_grace_s)
+                return
+            if self._sends_moved is None:
+                self._sends_moved = loop.create_future()
+            await asyncio.wait([idle, self._sends_moved], timeout=left if left > 0 else None)
+
     async def shutdown(self) -> None:
         """Take no more checks, let those being answered finish (up to ``shutdown_grace_s``), then as
         ``Producer.shutdown``: a check answered meanwhile reaches the broker over a connection still open.
         A check still running after the grace period is cancelled; its transaction is asked about again.
         One that ignores its cancel for ``abandon_after_s`` more is given up on, with an error logged: shutdown
-        completes without it, and when it ends at last it sends no answer."""
+        completes without it, and when it ends at last it sends no answer. ``send_in_transaction`` calls begun
+        before are waited for up to ``shutdown_grace_s`` as well (a local transaction that hangs is said, and
+        left running: its END is not sent, and the broker checks back)."""
         self._stopping = True
         running = set(self._check_tasks)
         late = await finish_within(running, self.shutdown_grace_s)

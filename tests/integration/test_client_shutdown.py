@@ -439,3 +439,52 @@ async def test_producer_shutdown_answers_the_sends_begun_before_it(broker, batch
     failed = [r for r in results if isinstance(r, BaseException)]
     assert not failed, failed[:3]
     assert await stored_count(broker.broker, topic, 1) == 20
+
+
+@bounded(60)
+async def test_a_local_transaction_that_hangs_holds_shutdown_only_for_the_grace(broker_factory, caplog):
+    """Shutdown waited for every send_in_transaction begun before it, its local transaction included, with no
+    bound and nothing said: an execute_local_transaction awaiting a database that is down held shutdown (and the
+    application's exit) for ever, where the checks in hand are given shutdown_grace_s. Local transactions get
+    the same grace now, and one still running past it is said; shutdown goes on. Its END cannot be sent once the
+    producer is closed: the transaction stays pending and another producer of the group decides it by its check,
+    so its message is delivered once."""
+    broker = broker_factory("--transaction-check-interval-ms", "200", "--transaction-timeout-ms", "300")
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    class Hung:
+        async def execute_local_transaction(self, msg, arg):
+            entered.set()
+            await release.wait()
+            return S.COMMIT_MESSAGE
+
+        def check_local_transaction(self, msg):
+            return S.COMMIT_MESSAGE
+
+    producer = await TransactionProducer(broker.namesrv, "PG_hung_local", Hung(), shutdown_grace_s=0.5).start()
+    sending = asyncio.get_running_loop().create_task(producer.send_in_transaction("TxHungLocal", b"decided once"))
+    await entered.wait()
+    try:
+        # bounded so that the old unbounded wait fails here, not as the whole test's timeout
+        await asyncio.wait_for(producer.shutdown(), 20)
+    finally:
+        release.set()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "local transaction" in
+            r.getMessage() and "shutdown_grace_s" in r.getMessage()]
+    assert said and "PG_hung_local" in said[0], [r.getMessage() for r in caplog.records]
+    result = await sending
+    assert result.state is S.COMMIT_MESSAGE and not result.acknowledged
+    ended = [r.getMessage() for r in caplog.records if "shut down" in r.getMessage() and
+             result.send_result.msg_id in r.getMessage()]
+    assert ended, "the END not sent was not said"
+    async with TransactionProducer(broker.namesrv, "PG_hung_local", Hung()):
+        probe = PullConsumer(broker.namesrv, "CG_hung_local")
+        try:
+            got = []
+            while not got:
+                got = [m.body for q in await probe.fetch_queues("TxHungLocal")
+                       for m in (await probe.pull(q, 0)).messages]
+                await asyncio.sleep(0.05)
+        finally:
+            await probe.shutdown()
+    assert got == [b"decided once"]

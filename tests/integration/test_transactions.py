@@ -536,32 +536,37 @@ async def test_a_producer_joining_its_group_is_checked_at_once_not_an_interval_l
 
 @bounded(30)
 async def test_an_end_the_broker_has_already_decided_otherwise_is_raised_not_returned(broker_factory):
-    """The local transaction is slow; the broker checks back meanwhile and the listener, finding nothing yet,
-    answers ROLLBACK (as RocketMQ's examples do). The local transaction then commits and its END COMMIT is
-    refused (TRANSACTION_FAILED, the first decision wins): the message is rolled back for good, no check-back
-    will come. Returned with ``end_error`` beside COMMIT_MESSAGE, it read as a committed send."""
-    b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "0")
-    check_answered = asyncio.Event()
+    """The local transaction is slow; meanwhile the transaction is decided otherwise (here an END ROLLBACK sent as
+    another producer of the group answering a check would: this one leaves asks about a transaction whose local
+    transaction it runs to its END, test_a_check_during_its_own_local_transaction_does_not_decide_it). It then
+    commits and its END COMMIT is refused (TRANSACTION_FAILED, the first decision wins): the message is rolled
+    back for good, no check-back will come. Returned with ``end_error`` beside COMMIT_MESSAGE, it read as a
+    committed send."""
+    b = broker_factory("--transaction-check-interval-ms", "50", "--transaction-timeout-ms", "600000")
+    entered, decided = asyncio.Event(), asyncio.Event()
 
     class SlowCommit:
         async def execute_local_transaction(self, msg, arg):
-            await check_answered.wait()             # the broker recorded the check's ROLLBACK meanwhile
+            entered.set()
+            await decided.wait()             # the broker recorded the other producer's ROLLBACK meanwhile
             return S.COMMIT_MESSAGE
 
         def check_local_transaction(self, msg):
             return S.ROLLBACK_MESSAGE
 
     async with TransactionProducer(b.namesrv, "PG_tx_decided", SlowCommit()) as producer:
-        end = producer._end
-
-        async def end_seen(addr, half_offset, table_offset, msg_id, state, from_check, remark):
-            acked = await end(addr, half_offset, table_offset, msg_id, state, from_check, remark)
-            if from_check and acked:
-                check_answered.set()
-            return acked
-        producer._end = end_seen
+        sending = asyncio.get_running_loop().create_task(
+            producer.send_in_transaction("TxDecided", b"rolled back by the check"))
+        await entered.wait()
+        body = (await _admin(b.broker, RequestCode.TXMQ_LIST_TRANSACTIONS, {"group": "PG_tx_decided"})).body_bytes()
+        [half] = json.loads(body)["pending"]
+        rolled = await _admin(b.broker, RequestCode.END_TRANSACTION, {
+            "producerGroup": "PG_tx_decided", "tranStateTableOffset": half["queue_offset"],
+            "commitLogOffset": half["commit_log_offset"], "commitOrRollback": "12", "fromTransactionCheck": "true"})
+        assert rolled.code == ResponseCode.SUCCESS, rolled.remark
+        decided.set()
         with pytest.raises(ResponseError) as info:
-            await producer.send_in_transaction("TxDecided", b"rolled back by the check")
+            await sending
     assert info.value.code == ResponseCode.TRANSACTION_FAILED
     assert "COMMIT_MESSAGE" in str(info.value) and "no check-back" in str(info.value)
 

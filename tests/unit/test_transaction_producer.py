@@ -618,3 +618,86 @@ async def test_a_check_answer_that_is_no_state_is_said_and_counted_too(caplog):
     assert len(said) == 1 and "check_local_transaction returned None for M1" in said[0], said
     assert sorted((e.ext_fields.get("msgId"), e.ext_fields.get("commitOrRollback")) for e in fake.ends) == [
         ("M1", "0"), ("M2", "0")]       # UNKNOW (TRANSACTION_NOT_TYPE)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, None])
+async def test_max_checks_at_once_must_be_a_whole_number_of_1_or_more(bad):
+    """0 would take no check ever (every transaction of the producer left to dead-lettering), a float or None
+    compared oddly with the count in hand: refused at construction, naming the value."""
+    with pytest.raises(ValueError, match=f"max_checks_at_once={bad!r}"):
+        TransactionProducer("127.0.0.1:1", "PG", Commit(), max_checks_at_once=bad)
+
+
+async def test_an_ask_about_a_local_transaction_running_here_is_answered_past_max_checks_at_once():
+    """An ask about a transaction whose execute_local_transaction runs in this producer is answered UNKNOW at once,
+    the listener not called; yet with max_checks_at_once calls in hand (a listener hung on another transaction) it
+    was dropped like any other ask: unanswered, the broker takes the producer for silent and asks another of the
+    group, whose listener, no outcome recorded yet, answers ROLLBACK (the local transaction then commits, its END
+    refused). It is answered, not refused."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    entered, release, hung = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class Slow(Commit):
+        async def execute_local_transaction(self, msg, arg):
+            entered.set()
+            await release.wait()
+            return S.COMMIT_MESSAGE
+
+        async def check_local_transaction(self, msg):
+            hung.set()
+            await asyncio.Event().wait()        # the database down: the one slot held
+
+    producer = TransactionProducer(fake.addr, "PG", Slow(), max_checks_at_once=1, shutdown_grace_s=0,
+                                   abandon_after_s=0.1)
+
+    class Conn:
+        peer = ("127.0.0.1", int(fake.addr.rsplit(":", 1)[1]))
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            sending = asyncio.get_running_loop().create_task(
+                producer.send_in_transaction("T", b"order", properties={"UNIQ_KEY": "L"}))
+            await entered.wait()
+            producer._on_request(Conn(), _check_ask("H", 900))
+            await hung.wait()
+            producer._on_request(Conn(), _check_ask("L"))
+            assert producer.checks_refused == 0, "the ask about the local transaction running here was dropped"
+            while not fake.ends:
+                await fake.got_end.wait()
+            release.set()
+            result = await sending
+            await producer.shutdown()
+    finally:
+        server.close()
+    assert producer.checks_refused == 0 and producer.checks_during_local == 1
+    assert [(e.ext_fields["msgId"], e.ext_fields["commitOrRollback"], e.ext_fields["fromTransactionCheck"])
+            for e in fake.ends] == [("L", "0", "true"), ("L", "8", "false")]     # UNKNOW answered, then COMMIT
+    assert result.acknowledged
+
+
+async def test_shutdown_grace_bounds_only_a_local_transaction_not_an_end_being_retried():
+    """shutdown_grace_s bounds the wait for a local transaction that hangs; an END refused for now (SYSTEM_BUSY)
+    and being retried is bounded by end_retries already. With shutdown_grace_s=0 (checks cancelled at once), a
+    shutdown begun between two END attempts closed the pool under the END: the transaction, committed locally and
+    begun before shutdown, was left undecided (acknowledged False), where it was sent and acknowledged before
+    the grace bounded the sends. It is waited for."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    fake.refuse_end = [ResponseCode.SYSTEM_BUSY]
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    producer = TransactionProducer(fake.addr, "PG", Commit(), shutdown_grace_s=0)
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            sending = asyncio.get_running_loop().create_task(producer.send_in_transaction("T", b"one"))
+            await fake.got_end.wait()           # the first END refused: the next after a pause
+            await producer.shutdown()
+            result = await sending
+    finally:
+        server.close()
+    assert result.acknowledged and result.state is S.COMMIT_MESSAGE, "the END was cut off by shutdown"
+    assert [e.ext_fields["commitOrRollback"] for e in fake.ends] == ["8", "8"]
