@@ -452,12 +452,6 @@ class TransactionProducer(Producer):
                         self._clock() - began, f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
         return "the local transaction is still running in the producer"
 
-    def _sends_moved_on(self) -> None:
-        """A send entered its local transaction: shutdown's wait past the grace may be over (_wait_for_sends)."""
-        if self._sends_moved is not None:
-            self._sends_moved.set_result(None)
-            self._sends_moved = None
-
     async def _wait_for_sends(self, idle: asyncio.Future) -> None:
         """Sends in transaction are waited for by shutdown as long as checks are, ``shutdown_grace_s``, while one is
         in its local transaction: an execute_local_transaction that hung (a database down) held shutdown, and the
