@@ -1011,15 +1011,12 @@ class PushConsumer:
         return bool(self._abandoned) and asyncio.current_task() in self._abandoned
 
     async def _listen(self, msg: MessageExt) -> ConsumeStatus:
-        status = await self._call_listener(msg)
+        status = (await self._listener_verdict(msg))[0]
         if self._given_up():    # returned at last, long after its cancel: the queue is no longer this loop's
             log.warning("push consumer %s: listener call on %s given up on has ended; its verdict is ignored",
                         self.group, msg.msg_id)
             raise _Stopping()
         return status
-
-    async def _call_listener(self, msg: MessageExt) -> ConsumeStatus:
-        return (await self._listener_verdict(msg))[0]
 
     async def _listener_verdict(self, msg: MessageExt) -> tuple[ConsumeStatus, str, str | None]:
         """The listener's call on ``msg``: its status, the CMResult a Java consumer's consumeMessageDirectly names

@@ -148,9 +148,7 @@ def _accepted(method):
             self._sending -= 1
             if not self._sending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
-            if self._sends_moved is not None:
-                self._sends_moved.set_result(None)
-                self._sends_moved = None
+            self._sends_moved_on()
     return counted
 
 
@@ -275,6 +273,13 @@ class Producer:
     async def _wait_for_sends(self, idle: asyncio.Future) -> None:
         """shutdown's wait for the sends accepted before it: until ``idle`` (each is bounded by send_timeout)."""
         await asyncio.shield(idle)
+
+    def _sends_moved_on(self) -> None:
+        """A send ended (or, in a TransactionProducer, entered its local transaction): a shutdown waiting past its
+        grace looks again (TransactionProducer._wait_for_sends)."""
+        if self._sends_moved is not None:
+            self._sends_moved.set_result(None)
+            self._sends_moved = None
 
     def _heartbeat_body(self) -> bytes:
         return json.dumps({"clientID": self.client_id, "consumerDataSet": [],
@@ -405,9 +410,7 @@ class Producer:
             self._sending -= 1
             if not self._sending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
-            if self._sends_moved is not None:
-                self._sends_moved.set_result(None)
-                self._sends_moved = None
+            self._sends_moved_on()
 
     @_accepted
     async def send_batch(self, topic: str, bodies: list[bytes], *, tags: str | None = None,

@@ -198,8 +198,10 @@ class TransactionProducer(Producer):
         self._refused_said = _SaidEvery(clock)
         self.shutdown_grace_s = shutdown_grace_s
         # The transactions whose execute_local_transaction runs here, by msgId (UNIQ_KEY, as the broker's asks name
-        # them): -> clock() when it began. A check about one is not run (see _on_request).
-        self._local: dict[str, float] = {}
+        # them): -> clock() when each began (a UNIQ_KEY the caller gives may be given twice: by key alone, the first
+        # to end forgot the other). A check about one is not run (see _on_request).
+        self._local: dict[str, list[float]] = {}
+        self._in_local = 0                  # sends in their local transaction (shutdown's count, _wait_for_sends)
         self.checks_during_local = 0        # asks about a transaction whose local transaction was still running
         self._during_local_said = _SaidEvery(clock)
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
@@ -245,7 +247,9 @@ class TransactionProducer(Producer):
             remark = None
         else:
             remark = None
-            self._local[result.msg_id] = self._clock()
+            began = self._clock()
+            self._local.setdefault(result.msg_id, []).append(began)
+            self._in_local += 1
             self._sends_moved_on()
             try:
                 state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
@@ -255,7 +259,11 @@ class TransactionProducer(Producer):
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
             finally:
-                self._local.pop(result.msg_id, None)
+                self._in_local -= 1
+                running = self._local[result.msg_id]
+                running.remove(began)
+                if not running:
+                    del self._local[result.msg_id]
         # The broker that stored the half, not whatever the route says now: with several brokers (or a
         # route refreshed meanwhile) only that one holds the half and can decide it.
         addr = result.broker_addr or self._addr(result.queue)
@@ -410,7 +418,8 @@ class TransactionProducer(Producer):
             return
         remark = None
         msg_id = msg.properties.get(Prop.UNIQ_KEY) or cmd.str_field("msgId", "")
-        began = self._local.get(msg_id)
+        running = self._local.get(msg_id)
+        began = running[0] if running else None
         try:
             if began is not None:
                 state, remark = LocalTransactionState.UNKNOW, self._asked_during_local(msg_id, began)
@@ -452,12 +461,6 @@ class TransactionProducer(Producer):
                         self._clock() - began, f"; {unsaid} more such ask(s) since the last said" if unsaid else "")
         return "the local transaction is still running in the producer"
 
-    def _sends_moved_on(self) -> None:
-        """A send entered its local transaction: shutdown's wait past the grace may be over (_wait_for_sends)."""
-        if self._sends_moved is not None:
-            self._sends_moved.set_result(None)
-            self._sends_moved = None
-
     async def _wait_for_sends(self, idle: asyncio.Future) -> None:
         """Sends in transaction are waited for by shutdown as long as checks are, ``shutdown_grace_s``, while one is
         in its local transaction: an execute_local_transaction that hung (a database down) held shutdown, and the
@@ -469,7 +472,7 @@ class TransactionProducer(Producer):
         deadline = loop.time() + self.shutdown_grace_s
         while not idle.done():
             left = deadline - loop.time()
-            if left <= 0 and self._sending <= len(self._local):
+            if left <= 0 and self._sending <= self._in_local:
                 log.warning("producer %s: %d send(s) in transaction still in their local transaction after %g s "
                             "(shutdown_grace_s; execute_local_transaction hung?): shutdown goes on without them; "
                             "their ENDs will not be sent, the broker checks back with the group's other producers",

@@ -701,3 +701,42 @@ async def test_shutdown_grace_bounds_only_a_local_transaction_not_an_end_being_r
         server.close()
     assert result.acknowledged and result.state is S.COMMIT_MESSAGE, "the END was cut off by shutdown"
     assert [e.ext_fields["commitOrRollback"] for e in fake.ends] == ["8", "8"]
+
+
+async def test_two_local_transactions_under_one_uniq_key_both_count_as_running():
+    """A UNIQ_KEY the caller gives (properties) may be given twice (a send retried under its idempotency key while
+    the first one's local transaction still runs). The local transactions running were kept by key: the first to
+    end forgot the other's, and shutdown, counting none in its local transaction, waited for the one that hung
+    with no bound (and a check about it went to the listener). Each is counted until it ends."""
+    fake = SilentEndBroker()
+    fake.answer_end = True
+    server = await asyncio.get_running_loop().create_server(lambda: RemotingConnection(fake.handle), "127.0.0.1", 0)
+    fake.addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    both, release = asyncio.Event(), asyncio.Event()
+    entered = []
+
+    class Twice(Commit):
+        async def execute_local_transaction(self, msg, arg):
+            entered.append(arg)
+            if len(entered) == 2:
+                both.set()
+            await both.wait()
+            if arg == "second":
+                await release.wait()        # the database down
+            return S.COMMIT_MESSAGE
+
+    producer = TransactionProducer(fake.addr, "PG", Twice(), shutdown_grace_s=0.1)
+    try:
+        async with asyncio.timeout(10):
+            await producer.start()
+            first, second = (asyncio.get_running_loop().create_task(producer.send_in_transaction(
+                "T", b"order", arg, properties={"UNIQ_KEY": "K"})) for arg in ("first", "second"))
+            assert (await first).acknowledged
+            assert "K" in producer._local, "the second local transaction, still running, was forgotten"
+            # bounded by the grace: the old count waited for the hung one until release
+            await asyncio.wait_for(producer.shutdown(), 5)
+            assert not second.done()
+    finally:
+        release.set()
+        server.close()
+    await asyncio.gather(second, return_exceptions=True)
