@@ -78,7 +78,7 @@ class RouteTable:
         self.live: dict[str, BrokerLive] = {}
         self.write_wiped: set[str] = set()     # broker names; only names in ``brokers``, so bounded by them
         # (broker name, id) -> ({live address a registration took them from: when, within expire_ms}, when its clash
-        # was last said): only names in ``brokers``, only addresses that lost them within expire_ms
+        # was last said): only ids in ``brokers`` (_drop_id), only addresses that lost them within expire_ms
         self.taken: dict[tuple[str, int], tuple[dict[str, int], int]] = {}
         self.id_clashes = 0             # registrations that took a name and id back from a live address that took them
 
@@ -103,7 +103,7 @@ class RouteTable:
         # One address, one id: a slave promoted to master drops its old id first.
         for bid, addr in list(bd.broker_addrs.items()):
             if addr == broker_addr and bid != broker_id:
-                del bd.broker_addrs[bid]
+                self._drop_id(bd, bid)
         old_addr = bd.broker_addrs.get(broker_id)
         bd.broker_addrs[broker_id] = broker_addr
         first = first or old_addr is None
@@ -178,7 +178,7 @@ class RouteTable:
         known = self.live.pop(broker_addr, None) is not None
         bd = self.brokers.get(broker_name)
         if bd is not None and bd.broker_addrs.get(broker_id) == broker_addr:
-            del bd.broker_addrs[broker_id]
+            self._drop_id(bd, broker_id)
             if not bd.broker_addrs:
                 self._forget_broker_name(broker_name)
         log.info("broker unregistered: %s %s id %d at %s", cluster, broker_name, broker_id, broker_addr)
@@ -233,15 +233,20 @@ class RouteTable:
         self.live.pop(addr, None)
         for name, bd in list(self.brokers.items()):
             for bid in [bid for bid, a in bd.broker_addrs.items() if a == addr]:
-                del bd.broker_addrs[bid]
+                self._drop_id(bd, bid)
             if not bd.broker_addrs:
                 self._forget_broker_name(name)
 
+    def _drop_id(self, bd: BrokerData, bid: int) -> None:
+        """``bid`` leaves ``bd``'s addresses, and who took it from whom with it: ``taken`` holds the ids registered
+        only (kept while the name was, a client registering one name under id after id, each taken once from
+        another of its addresses, grew it without bound; a clash is between two brokers holding the id in turn)."""
+        del bd.broker_addrs[bid]
+        self.taken.pop((bd.broker_name, bid), None)
+
     def _forget_broker_name(self, broker_name: str) -> None:
         self.brokers.pop(broker_name, None)
-        self.write_wiped.discard(broker_name)
-        for key in [k for k in self.taken if k[0] == broker_name]:
-            del self.taken[key]
+        self.write_wiped.discard(broker_name)     # (its ids, and their ``taken``, went before it: _drop_id)
         for cluster, names in list(self.clusters.items()):
             names.discard(broker_name)
             if not names:

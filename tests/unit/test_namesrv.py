@@ -188,6 +188,19 @@ def test_two_live_brokers_taking_one_name_and_id_from_each_other_are_said(caplog
     assert t.taken == {}
 
 
+def test_ids_taken_and_dropped_leave_nothing_behind():
+    """A client keeping a name registered (id 0) while its two addresses took id after id from each other, each
+    once, then moved on: every such id was kept in ``taken`` while the name lived, growing without bound."""
+    t = RouteTable()
+    reg(t, "a", "h:0", T1, conn="c0")
+    for bid in range(1, 1001):
+        reg(t, "a", "h:1", T1, bid=bid, conn="c1", now=bid)
+        reg(t, "a", "h:2", T1, bid=bid, conn="c2", now=bid)     # takes it from h:1, live
+    assert len(t.taken) <= 1 and t.brokers["a"].broker_addrs == {0: "h:0", 1000: "h:2"}
+    assert t.unregister(cluster="C", broker_addr="h:2", broker_name="a", broker_id=1000)
+    assert t.taken == {}
+
+
 def test_a_restart_at_a_new_address_before_the_old_connection_closed_is_not_said(caplog):
     t = RouteTable()
     caplog.set_level("WARNING", logger="txmq.namesrv")
