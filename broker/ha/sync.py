@@ -137,7 +137,10 @@ class SlaveSync:
         offsets of another log. Said at ERROR once an address, txmq_ha_slave_master_mismatch 1 meanwhile; the copies
         go on (a proxy or port mapping between the two is no mismatch this can tell). One master under two
         names -- a host name here, its IP registered -- is one: the two are resolved (off the loop) before said."""
-        if registered is None or not self.ha_master_addr:
+        if not self.ha_master_addr:
+            return
+        if registered is None:      # no master named (yet, or gone): no master to be another (the gauge's help)
+            self._ha_mismatches.pop(namesrv, None)
             return
         under_way = self._ha_checks.get(namesrv)
         if under_way is not None and not under_way.done():
@@ -156,7 +159,11 @@ class SlaveSync:
     async def _check_ha(self, namesrv: str, addr: str | None, registered: str) -> None:
         """Each name server apart: one of another cluster listed among them is said once, not at every
         registration's turn between it and the others."""
-        if registered == self.ha_master_addr or await _same_endpoint(registered, self.ha_master_addr, self.timeout_s):
+        same = registered == self.ha_master_addr or await _same_endpoint(registered, self.ha_master_addr,
+                                                                          self.timeout_s)
+        if same is None:    # not resolved (a DNS outage): as it was, checked again at the next registration
+            return
+        if same:
             if self._ha_mismatches.pop(namesrv, None) is not None:
                 log.warning("name server %s now names master %s with HA address %s, the one this slave follows",
                             namesrv, addr, registered)
@@ -602,9 +609,10 @@ class SlaveSync:
         await self.pool.close()
 
 
-async def _same_endpoint(a: str, b: str, timeout_s: float) -> bool:
+async def _same_endpoint(a: str, b: str, timeout_s: float) -> bool | None:
     """HOST:PORT ``a`` and ``b`` one endpoint: one port, hosts resolving to a shared IP ("localhost" and 127.0.0.1, a
-    host name and the IP a master registers). Unresolved in ``timeout_s``: not known to be one."""
+    host name and the IP a master registers). Unresolved in ``timeout_s``: None, not known (a DNS outage said as
+    another master's log was an ERROR and TxmqSlaveMasterMismatch on a correctly configured slave)."""
     (host_a, _, port_a), (host_b, _, port_b) = a.rpartition(":"), b.rpartition(":")
     if port_a != port_b:
         return False
@@ -614,7 +622,7 @@ async def _same_endpoint(a: str, b: str, timeout_s: float) -> bool:
             ips = [{info[4][0] for info in await loop.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)}
                    for host in (host_a, host_b)]
     except (OSError, TimeoutError, ValueError):     # (UnicodeError, a NUL in a name: ValueErrors)
-        return False
+        return None
     return not ips[0].isdisjoint(ips[1])
 
 

@@ -1138,6 +1138,29 @@ async def test_a_slave_following_its_master_by_host_name_is_no_mismatch(tmp_path
 
 
 @bounded(10)
+async def test_an_unresolved_name_or_no_master_named_is_no_mismatch(tmp_path, caplog):
+    """A host name that does not resolve (a DNS outage; here a NUL in it, refused at once) is not known to be another
+    master: it was said at ERROR as another master's log, the gauge 1 and its alert firing on a correctly configured
+    slave. And a name server that names no master any more clears its mismatch (the gauge is 1 only while one is
+    named)."""
+    sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
+    sync.ha_master_addr = "bad\0name:10912"
+    try:
+        _registered(sync, "127.0.0.1:10912")
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None and "but name server" not in caplog.text
+        sync.ha_master_addr = "127.0.0.1:10912"
+        _registered(sync, "10.9.9.9:10912", "10.9.9.9:10911")
+        await sync.ha_checked()
+        assert sync.ha_mismatch == "10.9.9.9:10912"
+        _registered(sync, "", "")                            # its master gone from the name server
+        await sync.ha_checked()
+        assert sync.ha_mismatch is None
+    finally:
+        await sync.close()
+
+
+@bounded(10)
 async def test_two_name_servers_naming_two_masters_say_the_mismatch_once_and_hold_it(tmp_path, caplog):
     """The slave registers with every name server at once; one of them (another cluster's, listed by mistake) names
     another master. The ERROR came again, with a WARNING that all was well, at every registration (every 30 s, for
