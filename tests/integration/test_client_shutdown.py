@@ -153,7 +153,9 @@ async def test_a_listener_past_the_grace_period_is_cancelled_and_its_message_com
     async with asyncio.timeout(30):
         took = await _blocked_then_shutdown(first, entered)
         assert cancelled == [b"m0"]
-        assert 0.3 <= took < 5
+        # not cancelled before the grace (a bound below, which load cannot break); that it returned at all, not
+        # waiting for the listener that never returns, is the timeout's bound (was also "< 5 s": a timed bound)
+        assert took >= 0.3, took
         assert await _committed(broker.namesrv, "CG_ungraceful", topic) in (None, 0)
         rest = await _next_consumer_gets(broker.namesrv, "CG_ungraceful", "Ungraceful", 10)
     assert [m.body for m in rest] == BODIES
@@ -384,10 +386,13 @@ async def test_an_offset_the_broker_corrects_is_said(broker_factory, caplog):
 
 
 @bounded(60)
-async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not_one_per_queue(broker_factory):
+async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not_one_per_queue(broker_factory,
+                                                                                               caplog):
     """Shutdown committed its queues one after another: with their broker stopped (a host gone, a broker
-    paused) each waited out its own request timeout, so a consumer of 8 queues took 8 timeouts to close. A
-    broker that does not answer one commit is not asked the rest; they are named in a WARNING."""
+    paused) each waited out its own request timeout, so a consumer of 8 queues took 8 timeouts to close. Its
+    commits are sent side by side now, all 8 in flight at once (one timeout bounds them), and the queues whose
+    broker did not answer are named in one WARNING. (Was a wall-clock bound, shutdown < 5 s against a 1 s
+    timeout: flaky under load; the commits in flight together are what makes it one timeout.)"""
     broker = broker_factory()
     await create_topic(broker.broker, "StoppedBroker", 8)
     async with Producer(broker.namesrv, "PG_stopped") as producer:
@@ -406,19 +411,33 @@ async def test_shutdown_with_a_broker_that_does_not_answer_waits_one_timeout_not
     consumer.subscribe("StoppedBroker")
     await consumer.start()
     consumer.client.timeout = 1.0
+    committing, peak, asked = set(), [], set()
+    commit = consumer._commit
+
+    async def counted(mq, *args, **kwargs):
+        committing.add(mq)
+        asked.add(mq)
+        peak.append(len(committing))
+        try:
+            return await commit(mq, *args, **kwargs)
+        finally:
+            committing.discard(mq)
     stopped = False
     try:
         await all_in.wait()
         broker.proc.send_signal(signal.SIGSTOP)
         stopped = True
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        await consumer.shutdown()
-        took = loop.time() - began
+        consumer._commit = counted          # (the shutdown's commits, counted in flight)
+        await asyncio.wait_for(consumer.shutdown(), 30)     # (a generous bound on the wait, not a speed)
     finally:
         if stopped:
             broker.proc.send_signal(signal.SIGCONT)
-    assert took < 5.0, f"shutdown took {took:.1f} s"
+    # every queue (the 8, and the group's retry queue) in flight together: one timeout, not one per queue
+    assert {mq.queue_id for mq in asked if mq.topic == "StoppedBroker"} == set(range(8)), asked
+    assert max(peak) == len(asked), (peak, asked)
+    said = [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "not committed at shutdown, their broker did not answer" in r.getMessage()]
+    assert len(said) == 1 and said[0].count(" of MessageQueue(") == len(asked), said
 
 
 @pytest.mark.parametrize("batch_size", [1, 16], ids=["plain", "batching"])

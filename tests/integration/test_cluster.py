@@ -138,9 +138,13 @@ async def test_kill9_of_a_broker_ali_ons_keeps_sending_and_nothing_acknowledged_
             before.append(line)
         assert all(s["ok"] for s in before) and {s["brokerName"] for s in before} == {"broker-a", "broker-b"}
         acked_a = sum(1 for s in before if s["brokerName"] == "broker-a")
-        c.brokers["broker-a"].kill()
-        took = await wait_for_route(c.namesrv.addr, "Failover", {"broker-b"}, timeout=2 * EXPIRE_MS / 1000)
-        assert took <= 2 * PERIOD_MS / 1000 + EXPIRE_MS / 1000
+        killed = c.brokers["broker-a"]
+        killed.kill()
+        # dropped by the name server (its connection closed, or at the latest EXPIRE_MS unheard: a generous bound
+        # on the wait, far under the 120 s default expiry); was a wall-clock bound (<= 5 s), flaky under load
+        await wait_for_route(c.namesrv.addr, "Failover", {"broker-b"}, timeout=30)
+        assert f"broker {killed.broker}: " in c.namesrv.log() and "removed from routes" in c.namesrv.log(), \
+            c.namesrv.log()
         proc.stdin.write(b"go\n")               # ali-ons still holds the old route: it must fail over itself
         await proc.stdin.drain()
         after = []
@@ -273,8 +277,11 @@ async def test_a_silent_broker_expires_and_comes_back_when_it_registers_again(cl
     b = c.brokers["broker-b"]
     b.proc.send_signal(signal.SIGSTOP)
     try:
-        took = await wait_for_route(c.namesrv.addr, "TBW102", {"broker-a"}, timeout=10)
-        assert took <= 2 * PERIOD_MS / 1000 + EXPIRE_MS / 1000 + 1
+        # dropped by the expiry, at EXPIRE_MS unheard (said so by the name server), not by the 120 s default: a
+        # generous bound on the wait; was a wall-clock bound (<= 6 s), flaky under load
+        await wait_for_route(c.namesrv.addr, "TBW102", {"broker-a"}, timeout=30)
+        assert f"broker {b.broker}: not heard from for {EXPIRE_MS} ms, removed from routes" in c.namesrv.log(), \
+            c.namesrv.log()
     finally:
         b.proc.send_signal(signal.SIGCONT)
     # The name server closed its connection; the next registration reopens it and the queues return.

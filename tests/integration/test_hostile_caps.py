@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import json
 import struct
-import time
 import urllib.request
 
 import pytest
@@ -974,15 +973,17 @@ async def test_a_stock_admins_commands_at_a_large_table_are_answered_within_its_
     keep the saver busy; but a stock mqadmin waits 5 s (DefaultMQAdminExt's timeout) and, timed out, skips its next
     steps (deleteTopic never deletes the topic from the name server, deleteSubGroup never its %RETRY%/%DLQ% topics).
     At 100,000 offsets (a large deployment's table) a delete right after another was answered in 4.3-5.1 s, a whole
-    rest and a save (0.7-1.2 s unpaced). The rest such a command waits is bounded (1 s, ADMIN_REST_MAX_S): one after
-    another is answered within that and two of the first's."""
+    rest and a save (0.7-1.2 s unpaced). The rest such a command waits is bounded (1 s, ADMIN_REST_MAX_S). Here:
+    four, each right after the one before, are each answered SUCCESS and still paced (counted deferred); that the
+    rest they wait is cut at ADMIN_REST_MAX_S is proved on the saver's own clock in tests/unit/test_store_offsets.py
+    (test_an_admin_commands_save_waits_at_most_admin_rest_max_s_of_the_rest) -- comparing the answers' wall-clock
+    times here (at most two of the first's and 1.5 s) failed on a loaded CI host by its own margin."""
     config = tmp_path / "store" / "config"
     config.mkdir(parents=True)
     (config / "consumerOffset.json").write_text(json.dumps(
         {f"Big{i // 100}@CG_big{i % 100}": {"0": 0} for i in range(100_000)}))
     broker = broker_factory("--flush-consumer-offset-interval-ms", "600000")
     admin = await RawClient.open(broker.broker, "127.0.0.1")
-    took = []
     try:
         if kind != "deleteTopic":
             made = RemotingCommand.request(R.UPDATE_AND_CREATE_TOPIC, {
@@ -998,15 +999,11 @@ async def test_a_stock_admins_commands_at_a_large_table_are_answered_within_its_
                     assert (await admin.call(frame, 10))[0].code == C.SUCCESS
             commands.append(command)
         for command in commands:      # each right after the one before: the whole rest ahead of it
-            began = time.monotonic()
-            [answer] = await admin.call(command, 60)
-            took.append(time.monotonic() - began)
+            [answer] = await admin.call(command, 60)      # (a bound on the wait, not on the broker's speed)
             assert answer.code == C.SUCCESS, answer.remark
         deferred = _scraped(broker, "txmq_offset_moves_deferred_total")
     finally:
         admin.close()
-    # the first waits no rest (a save of the table, and the catalogue's); the others at most 1 s of rest more
-    assert max(took[1:]) <= 2 * took[0] + 1.5, took
     assert deferred >= 1, deferred         # still paced, and counted
 
 

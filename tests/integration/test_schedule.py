@@ -159,13 +159,16 @@ async def test_timer_limits_and_a_delayed_commit(broker_factory):
             took, msg = await _first_arrival(broker.namesrv, "CG_txd", "TxDelayed", r.send_result.queue.queue_id,
                                                started)
             ali = await _delivered(broker.namesrv, "CG_txd_ali", "TxDelayedAli", ra.send_result.queue.queue_id)
-    assert ali_at <= ali.store_timestamp < ali_at + 2000, (ali.store_timestamp - ali_at, ali.properties)
+    # not before its time (the behaviour); the upper bound only says "not held for good" -- how late the scheduler
+    # delivers is speed (bench/): it was + 2 s, a wall-clock margin flaky under load, now + 10 s
+    assert ali_at <= ali.store_timestamp < ali_at + 10_000, (ali.store_timestamp - ali_at, ali.properties)
     # Kept, as RocketMQ 4.9.8 and Aliyun keep it: ali-ons' getStartDeliverTime() read 0 when it was dropped.
     assert ali.body == b"paid at" and ali.properties["__STARTDELIVERTIME"] == str(ali_at)
     assert took >= 0.8
-    # Delivered within a second of its due time, by the broker's store time (this process may take that long to
-    # start its consumers on a loaded machine); committed_ms is after the commit, by the same wall clock.
-    assert msg.store_timestamp - committed_ms < 800 + 1000
+    # Delivered after its due time (above) and not held for good, by the broker's store time; committed_ms is after
+    # the commit, by the same wall clock. (Was within 1 s of due: the scheduler's lateness is speed, a wall-clock
+    # margin flaky under load -- bench/ -- now within 10 s.)
+    assert msg.store_timestamp - committed_ms < 800 + 10_000
     assert msg.body == b"paid" and "TIMER_DELAY_MS" not in msg.properties
 
 

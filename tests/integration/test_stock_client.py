@@ -67,8 +67,9 @@ async def test_an_ali_ons_start_deliver_time_is_waited_for(broker_factory):
         await consumer.shutdown()
     msg = got.messages[0]
     assert msg.body == b"failover-0" and msg.topic == "AliOnsTimed"
-    # By the broker's own store time (one wall clock, whole ms): not before the time asked, and not long after.
-    assert deliver_at <= msg.store_timestamp < deliver_at + 3000, (msg.store_timestamp - deliver_at, msg.properties)
+    # By the broker's own store time (one wall clock, whole ms): not before the time asked, and not held for good
+    # (was + 3 s: the scheduler's lateness is speed, a wall-clock margin flaky under load -- bench/ -- now + 10 s).
+    assert deliver_at <= msg.store_timestamp < deliver_at + 10_000, (msg.store_timestamp - deliver_at, msg.properties)
 
     too_far = _ali_ons_send(broker.namesrv, "AliOnsTimed", int(time.time() * 1000) + 120_000)
     assert [(s["ok"], "beyond the 60 s maximum" in s.get("error", "")) for s in too_far if s["event"] == "send"] \

@@ -579,13 +579,15 @@ async def test_a_slow_flush_long_ago_does_not_make_a_later_hang_look_slow(tmp_pa
         await store.close()
 
 
-@bounded(8)
+@bounded(30)
 async def test_a_slow_disk_stop_leaves_the_offsets_last_save_its_bound_under_60_s(tmp_path, caplog):
     """The store's wait on a slow disk (STOP_BEHIND_THE_LOG_S) came after the grace (5 s) and the queue lock file
     (2 s) and before the consumer offsets' last save, which waits for a write until it is said hung (30 s) and 2 s
     more: 5 + 2 + 30 (+1, the wait's step) + 32 = 70 s, past systemd's and compose's 60 s (TimeoutStopSec): SIGKILL
     before the offsets were saved, consumers sent back to the last periodic save. The budget now runs from the
-    stop's start and leaves the offsets' bound: a store part begun 24 s into the stop is given up within 2 s."""
+    stop's start and leaves the offsets' bound: a store part begun once the stop has spent it is given up at once
+    (counted from the part's start, it would wait STOP_BEHIND_THE_LOG_S more: 25 s). (Was a part begun 24 s in,
+    given up in < 2.5 s of the wall clock against a 1 s budget and a 1 s poll: flaky on a loaded host.)"""
     import types
 
     from broker import server as server_mod
@@ -595,11 +597,12 @@ async def test_a_slow_disk_stop_leaves_the_offsets_last_save_its_bound_under_60_
     server = server_mod.BrokerServer(BrokerConfig(store_dir=str(tmp_path), port=0, namesrv_port=0, metrics_port=-1))
     server.ctx = types.SimpleNamespace(store=types.SimpleNamespace(
         flush_age_s=lambda: server_mod.FLUSH_HUNG_S + 1, io_stalled_s=lambda: 0.0, slowest_flush_s=lambda: 20.0))
-    server._stop_began = time.monotonic() - 24.0     # the grace, the lock file, the retention and scheduler spent it
+    # the grace, the lock file, the retention and scheduler spent the budget
+    server._stop_began = time.monotonic() - server_mod.STOP_BEHIND_THE_LOG_S - 1.0
     never = asyncio.Event()
-    began = time.monotonic()
-    await server._stop_behind_the_log("store", never.wait)
-    assert time.monotonic() - began < 2.5
+    # (a generous bound on the wait, under the 25 s it would wait counting from the part's start)
+    await asyncio.wait_for(server._stop_behind_the_log("store", never.wait), server_mod.STOP_BEHIND_THE_LOG_S - 5)
+    assert not never.is_set()
     assert "the store's disk is slow, not hung" in caplog.text, caplog.text
 
 
