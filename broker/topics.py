@@ -113,6 +113,8 @@ def readable_queue(topics: dict[str, TopicConfig], topic: str, qid: int) -> tupl
     tc = topics.get(topic)
     if tc is None:
         return qid, 0
+    if qid < tc.read_queue_nums and qid < tc.write_queue_nums:     # (every COMMIT but a cut topic's: no prefix test)
+        return qid, 0
     queues = (min(tc.read_queue_nums, tc.write_queue_nums) if topic.startswith(RETRY_PREFIX)
               else tc.read_queue_nums)
     if queues <= 0 or qid < queues:

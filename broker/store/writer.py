@@ -432,7 +432,13 @@ class Writer:
         flush queued there behind them on a slow disk (2 s an fsync, the ten of a checkpoint after a new topic's
         first sends) held every sync send for 20 s, their producers timing out, though the other thread was idle
         and the flush itself was quick."""
-        busy = [fl[7] for fl in self._flushing]
+        flushing = self._flushing
+        if not flushing:        # (every flush at one in flight: the first thread with nothing queued, no lists made)
+            for t in self._threads:
+                if not t.queued:
+                    return t
+            return min(self._threads, key=lambda t: t.queued)
+        busy = [fl[7] for fl in flushing]
         free = [t for t in self._threads if t not in busy]
         idle = next((t for t in free if not t.queued), None)
         if idle is not None or busy:
@@ -574,10 +580,17 @@ class IoThread:
             except RuntimeError:            # the loop is closed: nobody is waiting any more
                 return
 
-
     def _settle(self, fut: asyncio.Future, outcome, then) -> None:
         self.queued -= 1
-        _settle(fut, outcome, then)
+        # (_settle's body, not a call of it: a call more on every flush's way back, the sync send's critical path)
+        if not fut.done():
+            result, exc = outcome
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
+        if then is not None:
+            then()
 
 
 def _settle(fut: asyncio.Future, outcome, then) -> None:

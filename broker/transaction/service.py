@@ -65,6 +65,7 @@ DEAD_LETTER_BATCH_BYTES = 4 << 20
 
 CORRUPT_HALF = "corrupt-half"       # the dead-letter reason of a half whose body fails its CRC
 _FOREVER = (1 << 63) - 1         # a message-index query over all time
+_MAX_CHECKS = Origin.MAX_CHECKS.value     # (run_due's, each pass: an enum member's value is two calls a read)
 # An END's transactionId or msgId longer than this is no UNIQ_KEY (32 hex digits): not looked up in the index
 _KEY_CHARS_MAX = 128
 
@@ -1079,7 +1080,7 @@ class TransactionService:
         self._refused = [0, ""]             # check records the store refused this pass: said once, at its end
         # The pass's max-check dead letters, said in one WARNING at its end (as retention's): a line each, a burst
         # of 100,000 halves whose producers all crashed reaching the limit together was 100,000 lines.
-        said = _SaidTogether(Origin.MAX_CHECKS.value)
+        said = _SaidTogether(_MAX_CHECKS)
         self._dead_refused = []     # said once, at its end, as the check records: a line each was a burst's every one
         self._nobody_asked: set[str] = set()    # groups of this pass's deferred whose line was considered
         try:
@@ -1105,8 +1106,10 @@ class TransactionService:
             if refused:     # a full disk: no check goes out unrecorded, and the transactions wait (said, per pass)
                 log.warning("%d transaction checks not sent: their check records were refused (%s); checked again "
                             "an interval on", refused, why)
-            said.say()
-            self._say_dead_refused()
+            if said.n:      # (a pass a transaction at one in flight, dead-lettering none: no calls for nothing)
+                said.say()
+            if self._dead_refused:
+                self._say_dead_refused()
         self._save_progress()
 
     async def _run_slice(self, now: int, room_for, said: _SaidTogether) -> None:
@@ -1135,7 +1138,8 @@ class TransactionService:
         checks = [a for a in actions if isinstance(a, SendCheck)]
         deaths = [(a, self._claim(a.tx)) for a in actions if isinstance(a, Write)]
         together = self._said_together
-        together.update((a.tx.half_offset, said) for a, _ in deaths if a.reason == said.reason)
+        if deaths:
+            together.update((a.tx.half_offset, said) for a, _ in deaths if a.reason == said.reason)
         try:
             if checks:
                 await self._send_checks(checks, now)       # a failed write reschedules them (below)
