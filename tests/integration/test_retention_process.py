@@ -287,7 +287,7 @@ async def test_a_part_of_real_halves_on_a_slow_disk_is_waited_for(broker_factory
 
 
 async def test_a_plan_stopped_before_its_segments_part_claims_no_segment_judged(broker_factory, tmp_path):
-    """Stopped at its segments part (unanswered within --timeout, here 0 s: the broker still removing them), the
+    """Stopped at its segments part (unanswered within --timeout, here 1e-9 s: the broker still removing them), the
     summary printed was the halves parts' replies merged, each saying "segments_removed": [], "segments_kept": []:
     a plan whose segments were never judged, or were going as it was printed, read as one that removed none."""
     store = tmp_path / "store"
@@ -299,7 +299,7 @@ async def test_a_plan_stopped_before_its_segments_part_claims_no_segment_judged(
     path.write_text(json.dumps(plan))
 
     # (two parts of 500 halves, each waited for 12.5 s: only the segments part has --timeout alone)
-    out = await asyncio.to_thread(_run_admin, b, "--timeout", "0", "apply-expiry", str(path), "--slice", "500")
+    out = await asyncio.to_thread(_run_admin, b, "--timeout", "1e-9", "apply-expiry", str(path), "--slice", "500")
     assert out.returncode == 1 and "stopped at part 3 of 3" in out.stderr, out.stderr[-500:]
     reply = json.loads(out.stdout)
     assert reply["expired"] == [half["commit_log_offset"]] and len(reply["skipped"]) == 999
