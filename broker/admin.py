@@ -34,10 +34,10 @@ from protocol.command import RemotingCommand
 from protocol.connection import open_connection
 from protocol.errors import BrokerError, RequestTimeoutError
 from protocol.logline import escape
+from protocol.plan_stream import PlanChanged, PlanFile
 from protocol.signature import Credentials
 
 from . import admin_ops
-from .plan_stream import PlanChanged, PlanFile
 from .processors.transaction import LISTED_MAX
 from .retention import PlanRefused, check_plan_lists
 

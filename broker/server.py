@@ -235,7 +235,8 @@ class BrokerServer:
                              clock=self.clock, tag_rule=levels.consume_queue_tag)
         ctx.store = store
         store.set_flush_observer(self.metrics.flush_latency.observe)
-        observe_writes(lambda file, seconds: self.metrics.metadata_write.labels(file).observe(seconds))
+        written = self.metrics.metadata_write       # (not self: one hook a process, it kept a stopped broker alive)
+        observe_writes(lambda file, seconds: written.labels(file).observe(seconds))
         ctx.holds = PullHoldService(c.max_parked_pulls_per_host)
         ctx.tx = TransactionService(ctx)
         ctx.schedule = ScheduleService(ctx, levels)

@@ -127,7 +127,7 @@ def validate_plan_file(path: str) -> dict:
     file) took 880 MB. Its halves are read one at a time; a plan whose halves come in increasing commit log offset
     (as the expiry job writes them) needs no set of them to find one listed twice, any other is read again with one.
     Raises PlanError as validate_plan() does (a file written over in place while it is read again: PlanError)."""
-    from broker.plan_stream import PlanFile     # (pure Python, as here: no broker is started)
+    from protocol.plan_stream import PlanFile     # (pure Python: shared with the broker's admin)
 
     problems, state = _Problems(), {}
 

@@ -169,7 +169,8 @@ def test_a_big_plan_is_read_twice_its_parts_cut_as_it_is_checked(tmp_path, monke
     twice: 1M halves took 37 s before a broker saw any. It is cut into parts as it is checked and read once more as
     it is sent (22 s); the parts are those of the plan loaded whole, whatever the slice, and those of a plan whose
     fields follow its halves (their room not known as the halves were cut) too."""
-    from broker import admin, plan_stream
+    from broker import admin
+    from protocol import plan_stream
 
     monkeypatch.setattr(admin, "PART_BYTES", 64 * 1024)
     reads = []
@@ -235,7 +236,8 @@ def test_a_big_plan_that_is_not_one_is_refused_before_any_part_is_sent(tmp_path,
 def _parts_both_ways(monkeypatch, tmp_path, text: str, chunks) -> dict:
     """The parts of the plan ``text`` read as a big plan (value by value, ``chunks`` characters a read) and loaded
     whole (json.load): {chunk: (what json.load gave, what the reader gave)} where they differ."""
-    from broker import admin, plan_stream
+    from broker import admin
+    from protocol import plan_stream
     from broker.retention import PlanRefused
 
     def outcome(read):
