@@ -1113,6 +1113,12 @@ def _registered(sync, ha: str, master: str = "127.0.0.1:10911", namesrv: str = "
     sync.on_registered(namesrv, cmd.response(ResponseCode.SUCCESS, None, {"masterAddr": master, "haServerAddr": ha}))
 
 
+async def _checked(sync, ha: str, master: str = "127.0.0.1:10911") -> None:
+    """_registered, then its HA address check done."""
+    _registered(sync, ha, master)
+    await sync.ha_checked()
+
+
 @bounded(10)
 async def test_a_slave_following_its_master_by_host_name_is_no_mismatch(tmp_path, caplog):
     """--ha-master-addr localhost:10912 and the master registering 127.0.0.1:10912 (a host name in the slave's config,
@@ -1121,17 +1127,13 @@ async def test_a_slave_following_its_master_by_host_name_is_no_mismatch(tmp_path
     sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
     sync.ha_master_addr = "localhost:10912"
     try:
-        _registered(sync, "127.0.0.1:10912")
-        await sync.ha_checked()
+        await _checked(sync, "127.0.0.1:10912")
         assert sync.ha_mismatch is None and "but name server" not in caplog.text
-        _registered(sync, "127.0.0.1:10913")                # another port: another master
-        await sync.ha_checked()
+        await _checked(sync, "127.0.0.1:10913")                # another port: another master
         assert sync.ha_mismatch == "127.0.0.1:10913" and caplog.text.count("but name server") == 1
-        _registered(sync, "127.0.0.1:10913")
-        await sync.ha_checked()
+        await _checked(sync, "127.0.0.1:10913")
         assert caplog.text.count("but name server") == 1    # said once an address
-        _registered(sync, "127.0.0.1:10912")
-        await sync.ha_checked()
+        await _checked(sync, "127.0.0.1:10912")
         assert sync.ha_mismatch is None
     finally:
         await sync.close()
@@ -1146,15 +1148,12 @@ async def test_an_unresolved_name_or_no_master_named_is_no_mismatch(tmp_path, ca
     sync = SlaveSync(ConsumerOffsets(str(tmp_path)), 10.0)
     sync.ha_master_addr = "bad\0name:10912"
     try:
-        _registered(sync, "127.0.0.1:10912")
-        await sync.ha_checked()
+        await _checked(sync, "127.0.0.1:10912")
         assert sync.ha_mismatch is None and "but name server" not in caplog.text
         sync.ha_master_addr = "127.0.0.1:10912"
-        _registered(sync, "10.9.9.9:10912", "10.9.9.9:10911")
-        await sync.ha_checked()
+        await _checked(sync, "10.9.9.9:10912", "10.9.9.9:10911")
         assert sync.ha_mismatch == "10.9.9.9:10912"
-        _registered(sync, "", "")                            # its master gone from the name server
-        await sync.ha_checked()
+        await _checked(sync, "", "")                            # its master gone from the name server
         assert sync.ha_mismatch is None
     finally:
         await sync.close()
