@@ -133,6 +133,17 @@ async def assert_promoted_quietly(tmp_path, clock, caplog):
         await ctx.store.close()
 
 
+@contextlib.asynccontextmanager
+async def _reopened(tmp_path, cfg, clock):
+    """The store at tmp_path/s opened again (a restart), closed after."""
+    store = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 @bounded(30)
 async def test_store_id_and_manifest_survive_a_restart(tmp_path):
     clock = Clock(T0)
@@ -1522,14 +1533,10 @@ async def test_a_queue_file_that_cannot_be_unlinked_leaves_the_removal_whole_and
     assert sum("removed segment" in rec.getMessage() for rec in caplog.records) == len(removed), caplog.text
     await store.close()
 
-    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)     # the file still cannot go
-    await reopened.open()
-    try:
+    async with _reopened(tmp_path, cfg, clock) as reopened:     # the file still cannot go
         assert reopened.min_offset("Flow", 0) == low and reopened.report.queues_rebuilt == []
         assert os.path.exists(os.path.join(queue_dir, first))
         assert any("could not be removed" in rec.getMessage() for rec in caplog.records), caplog.text
-    finally:
-        await reopened.close()
     monkeypatch.undo()                                              # made mutable again: the next start removes it
     again = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
     await again.open()
@@ -1604,15 +1611,11 @@ async def test_a_live_queue_file_lost_next_to_a_removals_leftover_is_still_rebui
     os.unlink(os.path.join(queue_dir, f"{live_first:020d}"))        # lost: a disk, a hand
     if still_refused:
         monkeypatch.setattr(os, "unlink", unlink)
-    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
-    await reopened.open()
-    try:
+    async with _reopened(tmp_path, cfg, clock) as reopened:
         assert reopened.report.queues_rebuilt == ["Flow-0"], reopened.report.queues_rebuilt
         assert (reopened.min_offset("Flow", 0), reopened.max_offset("Flow", 0)) == (low, high)
         got = reopened.get_messages("Flow", 0, low, 4, 1 << 20)
         assert got.status == GetStatus.FOUND and decode_record(got.buffers[0])[0].queue_offset == low, got.status
-    finally:
-        await reopened.close()
 
 
 @bounded(30)
@@ -1639,9 +1642,7 @@ async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tm
     await store.remove_segment(store._log.segments[0].name)
     assert len(store._log.segments) >= 3
     await store.close()
-    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
-    await reopened.open()
-    try:
+    async with _reopened(tmp_path, cfg, clock) as reopened:
         cq = reopened._cqs[("Flow", 0)]
         left = sorted(set(os.listdir(queue_dir)) - {f"{mf.start:020d}" for mf in cq.files})
         assert left and reopened.report.queues_rebuilt == [], (left, reopened.report.queues_rebuilt)
@@ -1649,8 +1650,6 @@ async def test_queue_files_a_removal_left_go_at_a_later_removal_once_they_can(tm
         monkeypatch.undo()
         await reopened.remove_segment(reopened._log.segments[0].name)      # no restart: the removal takes them
         assert set(os.listdir(queue_dir)) == {f"{mf.start:020d}" for mf in cq.files}, os.listdir(queue_dir)
-    finally:
-        await reopened.close()
 
 
 @bounded(30)
@@ -1666,14 +1665,10 @@ async def test_a_queue_file_lost_in_the_live_range_after_removals_is_rebuilt(tmp
     low, high, middle = store.min_offset("Flow", 0), store.max_offset("Flow", 0), cq.files[1].start
     await store.close()
     os.unlink(os.path.join(queue_dir, f"{middle:020d}"))
-    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
-    await reopened.open()
-    try:
+    async with _reopened(tmp_path, cfg, clock) as reopened:
         assert reopened.report.queues_rebuilt == ["Flow-0"], reopened.report.queues_rebuilt
         assert (reopened.min_offset("Flow", 0), reopened.max_offset("Flow", 0)) == (low, high)
         assert reopened.get_messages("Flow", 0, middle // 20, 4, 1 << 20).status == GetStatus.FOUND
-    finally:
-        await reopened.close()
 
 
 
@@ -1723,14 +1718,10 @@ async def test_a_later_removal_leaves_no_gap_after_a_refused_queue_file(tmp_path
     await store.close()
     if not restart_refused:
         monkeypatch.undo()
-    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
-    await reopened.open()
-    try:
+    async with _reopened(tmp_path, cfg, clock) as reopened:
         assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
         assert reopened.min_offset("Flow", 0) == low
         assert os.path.exists(os.path.join(queue_dir, first)) == restart_refused
-    finally:
-        await reopened.close()
 
 
 @bounded(30)
@@ -1767,13 +1758,9 @@ async def test_concurrent_removals_keep_the_first_ones_refused_queue_file(tmp_pa
     assert os.path.join(queue_dir, first) in store._queue_leftovers, store._queue_leftovers
     low = store.min_offset("Flow", 0)
     await store.close()
-    reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
-    await reopened.open()
-    try:
+    async with _reopened(tmp_path, cfg, clock) as reopened:
         assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
         assert reopened.min_offset("Flow", 0) == low
-    finally:
-        await reopened.close()
 
 
 @bounded(30)
@@ -1791,13 +1778,9 @@ async def test_a_start_leaves_no_gap_after_a_leftover_it_could_not_remove(tmp_pa
     await store.close()
     os.unlink(os.path.join(queue_dir, f"{starts[1]:020d}"))         # the gap an older broker left
     for _ in range(2):                      # the file still refused at both starts
-        reopened = MessageStore(str(tmp_path / "s"), cfg, clock=clock)
-        await reopened.open()
-        try:
+        async with _reopened(tmp_path, cfg, clock) as reopened:
             assert reopened.report.queues_rebuilt == [], reopened.report.queues_rebuilt
             assert reopened.min_offset("Flow", 0) == low
-        finally:
-            await reopened.close()
     assert sorted(int(n) for n in os.listdir(queue_dir)) == [starts[0]] + starts[2:]
 
 
