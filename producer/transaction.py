@@ -201,7 +201,6 @@ class TransactionProducer(Producer):
         # them): -> clock() when each began (a UNIQ_KEY the caller gives may be given twice: by key alone, the first
         # to end forgot the other). A check about one is not run (see _on_request).
         self._local: dict[str, list[float]] = {}
-        self._in_local = 0                  # sends in their local transaction (shutdown's count, _wait_for_sends)
         self.checks_during_local = 0        # asks about a transaction whose local transaction was still running
         self._during_local_said = _SaidEvery(clock)
         # A check cancelled by shutdown that has not ended this long after (it caught the CancelledError and
@@ -249,7 +248,6 @@ class TransactionProducer(Producer):
             remark = None
             began = self._clock()
             self._local.setdefault(result.msg_id, []).append(began)
-            self._in_local += 1
             self._sends_moved_on()
             try:
                 state = self._state(await _call(self.listener.execute_local_transaction, msg, arg),
@@ -259,7 +257,6 @@ class TransactionProducer(Producer):
                 state = LocalTransactionState.UNKNOW
                 remark = f"executeLocalTransactionBranch exception: {exc}"
             finally:
-                self._in_local -= 1
                 running = self._local[result.msg_id]
                 running.remove(began)
                 if not running:
@@ -472,7 +469,8 @@ class TransactionProducer(Producer):
         deadline = loop.time() + self.shutdown_grace_s
         while not idle.done():
             left = deadline - loop.time()
-            if left <= 0 and self._sending <= self._in_local:
+            # (the sends in their local transaction: each one's start in _local)
+            if left <= 0 and self._sending <= sum(map(len, self._local.values())):
                 log.warning("producer %s: %d send(s) in transaction still in their local transaction after %g s "
                             "(shutdown_grace_s; execute_local_transaction hung?): shutdown goes on without them; "
                             "their ENDs will not be sent, the broker checks back with the group's other producers",
