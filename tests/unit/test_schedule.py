@@ -1242,3 +1242,18 @@ async def test_a_hung_delay_offset_write_is_not_joined_by_a_second_on_the_same_f
     finally:
         release.set()
         await svc.ctx.store.close()
+
+
+def test_readable_queue_edges():
+    """topics.readable_queue (the schedule's due messages and a transaction's COMMIT): a queue the topic still reads
+    is kept; one past its read queues goes to qid mod them (a retry topic's: the smaller of read and write); a
+    topic not there, or reading none, is left as it is (moved: 0)."""
+    from broker.topics import TopicConfig, readable_queue
+    topics = {"T": TopicConfig("T", 4, 8), "%RETRY%g": TopicConfig("%RETRY%g", 4, 2),
+              "None": TopicConfig("None", 0, 4)}
+    assert readable_queue(topics, "T", 3) == (3, 0)
+    assert readable_queue(topics, "T", 5) == (1, 4)        # written to 5 (write 8), but only 0-3 are read
+    assert readable_queue(topics, "%RETRY%g", 1) == (1, 0)
+    assert readable_queue(topics, "%RETRY%g", 3) == (1, 2)  # past its write queues: as one past retryQueueNums
+    assert readable_queue(topics, "Gone", 7) == (7, 0)
+    assert readable_queue(topics, "None", 3) == (3, 0)
