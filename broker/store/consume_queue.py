@@ -596,8 +596,11 @@ def _unit_below(path: str, at: int, log_start: int | None) -> bool:
     unit of a full file: every unit in it does, a queue's units going up the log; the first: every unit before it)."""
     if log_start is None:
         return False
-    with open(path, "rb") as f:
-        unit = os.pread(f.fileno(), UNIT_SIZE, at)
+    try:
+        with open(path, "rb") as f:
+            unit = os.pread(f.fileno(), UNIT_SIZE, at)
+    except OSError:     # (unread, not dated: a gap as before, the older files unlinked; raised, it failed the start)
+        return False
     if len(unit) < UNIT_SIZE:
         return False
     phys, size, _tag = UNIT.unpack(unit)

@@ -672,7 +672,7 @@ class ConsumerOffsets:
         (a name whose offsets went since is not kept)."""
         return list(self._forgotten) if self.per_host else [], self._firsts.seq, self.kept_deleted()
 
-    def _snapshot(self) -> tuple[dict, dict, list, int]:
+    def _snapshot(self) -> tuple[dict, dict, list, int, list[str]]:
         """On the loop: the table and its makers as they are now, for a save on a thread. The copy the last save
         took, brought up to date with the keys changed since: a whole copy each save held the loop 11-55 ms at
         100,000 offsets, however few had changed (1,000 changed: 0.3 ms). Only _persist_loop takes it, one save at

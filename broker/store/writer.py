@@ -438,12 +438,8 @@ class Writer:
                 if not t.queued:
                     return t
             return min(self._threads, key=lambda t: t.queued)
-        busy = [fl[7] for fl in flushing]
-        free = [t for t in self._threads if t not in busy]
-        idle = next((t for t in free if not t.queued), None)
-        if idle is not None or busy:
-            return idle
-        return min(free, key=lambda t: t.queued)
+        busy = [fl[7] for fl in flushing]       # (never empty here: a flush in flight waits for an idle thread)
+        return next((t for t in self._threads if t not in busy and not t.queued), None)
 
     def flush_age_s(self) -> float:
         """How long the oldest flush in flight has been in the kernel (0.0: none). For the gauge only (not the hot

@@ -1827,3 +1827,27 @@ async def test_a_kept_segments_halves_are_dead_lettered_once_and_its_index_entri
         assert ctx.store.report.gone_segments == [before[0]] and copies() == 1
     finally:
         await ctx.store.close()
+
+
+async def test_an_unreadable_file_before_a_queue_gap_is_taken_for_damage_not_a_failed_start(tmp_path, monkeypatch):
+    """The leftovers rule reads the older file's last unit to date it; one that cannot be read (EIO) is not
+    dated: the gap is taken as before (the older files unlinked, the queue rebuilt), the start not failed."""
+    from broker.store import consume_queue as cq_module
+    size = 4 * cq_module.UNIT_SIZE
+    directory = tmp_path / "q"
+    directory.mkdir()
+    for start in (0, 2 * size):
+        (directory / f"{start:020d}").write_bytes(cq_module.UNIT.pack(start, 10, 0) * 4)
+
+    def eio(path, *args):
+        if os.path.basename(path) == f"{0:020d}":
+            raise OSError(errno.EIO, "Input/output error", path)
+        return open(path, *args)
+    monkeypatch.setattr(cq_module, "open", eio, raising=False)
+    cq = cq_module.ConsumeQueue.load(str(directory), "T", 0, size, log_start=1 << 40)
+    monkeypatch.undo()
+    try:
+        assert cq.damaged and not cq.leftovers
+        assert sorted(os.listdir(directory)) == [f"{2 * size:020d}"]
+    finally:
+        cq.close()
